@@ -1,0 +1,25 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the test suite).
+# Each creates and fills the virtual environment .venv when it is missing or older than pyproject.toml.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python recipes/train.py experiment=demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs multirun .elastic_cache

@@ -1,0 +1,1 @@
+"""lightning-elastic: runtime elastic tensor selection for PyTorch Lightning."""
