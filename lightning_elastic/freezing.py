@@ -1,0 +1,94 @@
+"""Applying a selection to a model: `requires_grad` on every tensor, and the BatchNorm policy.
+
+`requires_grad=False` is what makes autograd skip a tensor's weight-gradient kernel and stop back-propagation
+at the deepest tensor that still needs a gradient; masking gradients would save nothing. Frozen tensors get
+`grad=None`, which every torch optimizer skips (weight decay and momentum included), so one optimizer over all
+parameters keeps its state for the whole run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from fnmatch import fnmatchcase
+from typing import Literal
+
+from torch import nn
+
+BnPolicy = Literal["update", "freeze"]
+BN_POLICIES: tuple[str, ...] = ("update", "freeze")
+
+
+def match_patterns(names: Sequence[str], patterns: Iterable[str], setting: str) -> tuple[bool, ...]:
+    """Which `names` match any of the shell-style `patterns` (fnmatch, case-sensitive).
+
+    Raises ValueError naming `setting` when a pattern matches no name: a typo must not pass silently.
+
+    Example:
+        >>> match_patterns(["fc.weight", "fc.bias", "conv.weight"], ["fc.*"], "train_always")
+        (True, True, False)
+    """
+    patterns = list(patterns)
+    unmatched = [p for p in patterns if not any(fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise ValueError(
+            f"`{setting}` patterns must each match at least one trainable parameter name (shell-style, e.g. "
+            f"'classifier.*'; names: {shown}). Found patterns matching nothing: {unmatched}"
+        )
+    return tuple(any(fnmatchcase(n, p) for p in patterns) for n in names)
+
+
+def apply_mask(params: Sequence[nn.Parameter], mask: Sequence[bool]) -> int:
+    """Set `requires_grad` of `params[k]` to `mask[k]`; frozen tensors lose their gradient.
+
+    Returns how many tensors changed state.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> apply_mask([layer.weight, layer.bias], [False, True])
+        1
+        >>> layer.weight.requires_grad, layer.bias.requires_grad
+        (False, True)
+    """
+    if len(params) != len(mask):
+        raise ValueError(f"`mask` must have one entry per parameter ({len(params)}). Found: {len(mask)}")
+    changed = 0
+    for param, train in zip(params, mask, strict=True):
+        if param.requires_grad != train:
+            param.requires_grad_(train)
+            changed += 1
+        if not train:
+            param.grad = None
+    return changed
+
+
+def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Iterable[str] = ()) -> list[str]:
+    """Under `policy="freeze"`, put every BatchNorm layer whose own tensors are all frozen in eval mode.
+
+    In eval mode a frozen BatchNorm normalises with its running statistics and stops updating them, so the
+    frozen part of the network is a fixed function (and its forward pass is a little cheaper). Under "update"
+    (PyTorch's default), BatchNorm layers follow the model's train/eval mode whatever their tensors do.
+    Returns the names of the layers put in eval mode. Layers named in `previously_frozen` that no longer qualify
+    go back to the model's mode; no other layer's mode is touched.
+
+    Example:
+        >>> bn = nn.BatchNorm1d(3)
+        >>> _ = bn.requires_grad_(False)
+        >>> apply_bn_policy(nn.Sequential(bn), "freeze"), bn.training
+        (['0'], False)
+    """
+    if policy not in BN_POLICIES:
+        raise ValueError(f"`bn_policy` must be one of {BN_POLICIES}. Found: {policy!r}")
+    frozen: list[str] = []
+    previously = set(previously_frozen)
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        own = list(module.parameters(recurse=False))
+        freeze = policy == "freeze" and bool(own) and not any(p.requires_grad for p in own)
+        if freeze:
+            module.eval()
+            frozen.append(name)
+        elif name in previously:
+            module.train(model.training)
+    return frozen

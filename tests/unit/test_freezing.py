@@ -1,0 +1,55 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_elastic.freezing import apply_bn_policy, apply_mask, match_patterns
+
+
+def test_patterns_match_shell_style_and_reject_typos() -> None:
+    names = ["backbone.0.weight", "backbone.1.weight", "head.weight", "head.bias"]
+    assert match_patterns(names, ["head.*"], "train_always") == (False, False, True, True)
+    assert match_patterns(names, ["*.weight", "head.bias"], "x") == (True, True, True, True)
+    assert match_patterns(names, [], "x") == (False,) * 4
+    with pytest.raises(
+        ValueError, match=r"`train_never` patterns must each match .* Found patterns matching nothing: \['hed\.\*'\]"
+    ):
+        match_patterns(names, ["head.*", "hed.*"], "train_never")
+
+
+def test_apply_mask_freezes_and_drops_gradients() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model(torch.randn(2, 3)).sum().backward()
+    params = list(model.parameters())
+    assert apply_mask(params, [False, False, True, True]) == 2
+    assert [p.requires_grad for p in params] == [False, False, True, True]
+    assert params[0].grad is None and params[1].grad is None
+    assert params[2].grad is not None
+    model(torch.randn(2, 3)).sum().backward()  # autograd now skips the frozen layer
+    assert params[0].grad is None
+    assert apply_mask(params, [True, True, True, True]) == 2
+    with pytest.raises(ValueError, match=r"`mask` must have one entry per parameter \(4\). Found: 3"):
+        apply_mask(params, [True] * 3)
+
+
+def test_bn_policy_freeze_stops_running_statistics_of_frozen_layers_only() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)).train()
+    model[1].requires_grad_(False)
+    frozen = apply_bn_policy(model, "freeze")
+    assert frozen == ["1"]
+    before = model[1].running_mean.clone(), model[3].running_mean.clone()
+    model(torch.randn(8, 3, 5, 5))
+    assert torch.equal(model[1].running_mean, before[0])
+    assert not torch.equal(model[3].running_mean, before[1])
+    model[1].requires_grad_(True)
+    assert apply_bn_policy(model, "freeze", frozen) == []
+    assert model[1].training
+
+
+def test_bn_policy_update_leaves_modes_alone() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(2), nn.BatchNorm1d(2)).train()
+    model.requires_grad_(False)
+    model[1].eval()  # the user's own choice is respected
+    assert apply_bn_policy(model, "update") == []
+    assert model[0].training and not model[1].training
+    with pytest.raises(ValueError, match=r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"):
+        apply_bn_policy(model, "off")  # type: ignore[arg-type]
