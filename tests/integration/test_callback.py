@@ -1,0 +1,321 @@
+"""ElasticTensorSelection in a real Trainer: what trains when, probes, pins, checkpoints, precision, compile."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+
+from lightning_elastic import ElasticTensorSelection
+from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+
+
+class Recorder(Callback):
+    """Per optimizer step: which tensors required grad, and which changed value."""
+
+    def __init__(self) -> None:
+        self.trainable: list[tuple[bool, ...]] = []
+        self.changed: list[tuple[bool, ...]] = []
+        self.steps: list[int] = []
+        self._before: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self._before = [p.detach().clone() for p in pl_module.parameters()]
+        self.steps.append(trainer.global_step)
+        self.trainable.append(tuple(p.requires_grad for p in pl_module.parameters()))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.changed.append(
+            tuple(not torch.equal(b, p) for b, p in zip(self._before, pl_module.parameters(), strict=True))
+        )
+
+
+PROFILE = synthetic_profile(TinyNet())
+
+
+def elastic(**kwargs: Any) -> ElasticTensorSelection:
+    """The callback with a fixed timing profile and no calibration: decisions depend on importance alone."""
+    settings: dict[str, Any] = dict(
+        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=PROFILE, calibrate=False
+    )
+    settings.update(kwargs)
+    return ElasticTensorSelection(**settings)
+
+
+def fit(callbacks: list[Callback], module: L.LightningModule | None = None, **trainer_kwargs: Any) -> TinyNet:
+    module = module or TinyNet()
+    tiny_trainer(callbacks=callbacks, **trainer_kwargs).fit(module, tiny_data())
+    return module  # type: ignore[return-value]
+
+
+def test_only_selected_tensors_train_and_selections_change() -> None:
+    callback = elastic()
+    recorder = Recorder()
+    fit([callback, recorder], max_epochs=4)
+    assert len(callback._history) >= 5
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True)), "a frozen tensor changed"
+    # probe windows train everything; selections train a strict subset
+    probe = [t for s, t in zip(recorder.steps, recorder.trainable, strict=True) if s < 2 or s % 4 >= 2]
+    selected = [t for s, t in zip(recorder.steps, recorder.trainable, strict=True) if s >= 2 and s % 4 < 2]
+    assert all(all(t) for t in probe)
+    assert selected and all(not all(t) for t in selected)
+    masks = {r["mask"] for r in callback._history}
+    assert all(any(m) for m in callback._history[-1]["mask"])
+    summary = callback.summary()
+    assert summary["selections"] == len(callback._history)
+    assert 0 < summary["selected_fraction"] < 1
+    assert len(masks) >= 1
+
+
+def test_probe_steps_are_ordinary_training_steps() -> None:
+    """Until the first selection, training with the callback is bit-identical to training without it."""
+    torch.manual_seed(1)
+    plain = TinyNet(optimizer="adamw")
+    elastic_module = copy.deepcopy(plain)
+    fit([], module=plain, max_steps=3)
+    torch.manual_seed(0)
+    fit(
+        [ElasticTensorSelection(speedup=1.05, interval=10, interval_unit="step", probe_steps=3)],
+        module=elastic_module,
+        max_steps=3,
+    )
+    for a, b in zip(plain.parameters(), elastic_module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.buffers(), elastic_module.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_pins_are_respected() -> None:
+    callback = elastic(train_always=["net.7.*"], train_never=["net.0.*"])
+    recorder = Recorder()
+    module = TinyNet()
+    names = [n for n, _ in module.named_parameters()]
+    fit([callback, recorder], module=module, max_epochs=2)
+    head = [names.index("net.7.weight"), names.index("net.7.bias")]
+    first = [names.index("net.0.weight"), names.index("net.0.bias")]
+    for trainable in recorder.trainable:
+        assert all(trainable[i] for i in head)
+        assert not any(trainable[i] for i in first)
+
+
+def test_unreachable_speedup_fails_before_training_with_the_largest_reachable() -> None:
+    recorder = Recorder()
+    with pytest.raises(
+        ValueError, match=r"`speedup` must be at most \d+\.\d\d for this model on this device.*Found: 50"
+    ):
+        fit([elastic(speedup=50, train_always=["net.0.weight"]), recorder])
+    assert recorder.steps == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"speedup": 1.0}, r"`speedup` must be a finite number > 1. Found: 1.0"),
+        ({"speedup": float("inf")}, r"`speedup` must be a finite number > 1. Found: inf"),
+        ({"interval": 0}, r"`interval` must be a positive int. Found: 0"),
+        ({"interval_unit": "batch"}, r"`interval_unit` must be one of \('epoch', 'step'\). Found: 'batch'"),
+        ({"probe_steps": -1}, r"`probe_steps` must be a positive int. Found: -1"),
+        ({"time_model": "guess"}, r"`time_model` must be one of \('measured', 'flops'\). Found: 'guess'"),
+        ({"bn_policy": "off"}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"),
+        ({"train_always": "fc.*"}, r"`train_always` must be a list of non-empty name patterns. Found: 'fc.\*'"),
+        ({"resolution": 0}, r"`resolution` must be a positive int. Found: 0"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ElasticTensorSelection(**kwargs)
+
+
+def test_constructor_lists_every_problem_at_once() -> None:
+    with pytest.raises(ValueError, match=r"`speedup`.*; `interval`.*; `bn_policy`"):
+        ElasticTensorSelection(speedup=0.5, interval=0, bn_policy="x")  # type: ignore[arg-type]
+
+
+def test_patterns_matching_nothing_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"`train_always` patterns must each match .*\['head\.\*'\]"):
+        fit([elastic(train_always=["head.*"])])
+
+
+def test_probe_window_longer_than_the_period_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"`probe_steps` must be fewer than the optimizer steps between two selections"
+    ):
+        fit([elastic(interval=1, interval_unit="epoch", probe_steps=50)])
+
+
+class ManualNet(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class TwoOptimizers(TinyNet):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.net[:4].parameters(), lr=0.1), torch.optim.SGD(self.net[4:].parameters(), lr=0.1)]
+
+
+def test_unsupported_modules_are_refused_at_setup() -> None:
+    with pytest.raises(ValueError, match=r"needs automatic optimization"):
+        fit([ElasticTensorSelection()], module=ManualNet())
+    frozen = TinyNet()
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"needs a model with trainable parameters. Found: none"):
+        fit([ElasticTensorSelection()], module=frozen)
+
+
+def test_several_optimizers_are_refused() -> None:
+    """Automatic optimization (which the callback needs) allows one optimizer: Lightning itself refuses more."""
+    with pytest.raises(RuntimeError, match=r"multiple optimizers is only supported with manual optimization"):
+        fit([elastic()], module=TwoOptimizers())
+
+
+def test_epoch_mode_selects_as_epochs_start() -> None:
+    callback = elastic(interval=1, interval_unit="epoch")
+    fit([callback], max_epochs=3)  # 8 optimizer steps per epoch
+    assert [(r["step"], r["epoch"]) for r in callback._history] == [(2, 0), (8, 1), (16, 2)]
+
+
+def test_gradient_accumulation_counts_optimizer_steps() -> None:
+    callback = elastic()
+    recorder = Recorder()
+    fit([callback, recorder], max_epochs=2, accumulate_grad_batches=2)
+    assert [r["step"] for r in callback._history] == [2, 4, 8]
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True))
+
+
+def test_bf16_mixed_precision_measures_finite_importance() -> None:
+    callback = elastic()
+    fit([callback], max_epochs=1, precision="bf16-mixed")
+    assert callback._history
+    assert all(torch.isfinite(torch.tensor(r["importance"])).all() for r in callback._history)
+
+
+def test_gradient_clipping_and_lr_scheduler() -> None:
+    class Scheduled(TinyNet):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)]
+
+    callback = elastic()
+    recorder = Recorder()
+    fit([callback, recorder], module=Scheduled(), max_epochs=1, gradient_clip_val=0.5)
+    assert [r["step"] for r in callback._history] == [2, 4, 8]
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True))
+
+
+def test_bn_policy_freeze_keeps_frozen_statistics() -> None:
+    callback = elastic(interval=50, bn_policy="freeze", train_never=["net.1.*"])
+    module = TinyNet()
+    stats: list[torch.Tensor] = []
+
+    class Watch(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            stats.append(module.net[1].running_mean.clone())
+
+    fit([callback, Watch()], module=module, max_steps=6)
+    assert not module.net[1].training
+    assert torch.equal(stats[2], stats[-1])  # frozen from the first selection on (after step 2)
+
+
+def test_compiled_module_runs_the_new_selection() -> None:
+    callback = elastic()
+    recorder = Recorder()
+    module = TinyNet()
+    compiled = torch.compile(module, backend="aot_eager")
+    tiny_trainer(callbacks=[callback, recorder], max_steps=10).fit(compiled, tiny_data())  # type: ignore[arg-type]
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True))
+    assert any(not all(t) for t in recorder.trainable)
+
+
+class ListLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "list"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append((step or 0, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_metrics_reach_every_logger_and_tensorboard(tmp_path: Path) -> None:
+    callback = elastic()
+    memory = ListLogger()
+    board = TensorBoardLogger(tmp_path)
+    fit([callback], max_epochs=2, logger=[memory, board])
+    logged = [m for _, m in memory.metrics if "elastic/selected_fraction" in m]
+    assert len(logged) == len(callback._history)
+    for metrics, record in zip(logged, callback._history, strict=True):
+        assert metrics["elastic/selected_fraction"] == record["mask"].count("1") / len(record["mask"])
+        assert metrics["elastic/predicted_step_ms"] == pytest.approx(record["predicted_seconds"] * 1e3)
+    assert any("elastic/measured_speedup" in m for _, m in memory.metrics)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(board.log_dir), size_guidance={"images": 0, "tensors": 0, "histograms": 0})
+    events.Reload()
+    assert len(events.Images("elastic/selection")) == len(callback._history)
+    assert "elastic/importance" in events.Tags()["histograms"]
+    assert {"elastic/profile/text_summary", "elastic/selection/text_summary"} <= set(events.Tags()["tensors"])
+
+
+class Crash(Callback):
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            raise RuntimeError("simulated crash")
+
+
+def test_resume_mid_interval_keeps_the_mask_in_force(tmp_path: Path) -> None:
+    """Crash after a checkpoint mid-interval, resume with ckpt_path: the same mask trains from the first step."""
+
+    reference_recorder = Recorder()
+    fit([elastic(interval=6), reference_recorder], max_steps=16)
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=9, save_top_k=-1)
+    crashed_recorder = Recorder()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(
+            [elastic(interval=6), checkpoint, Crash(at_step=10), crashed_recorder],
+            max_steps=16,
+            enable_checkpointing=True,
+        )
+    ckpt = tmp_path / "epoch=1-step=9.ckpt"
+    assert ckpt.exists()
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    state = next(v for k, v in saved.items() if "ElasticTensorSelection" in k)
+    resumed = elastic(interval=6)
+    resumed_recorder = Recorder()
+    tiny_trainer(callbacks=[resumed, resumed_recorder], max_steps=16, enable_checkpointing=False).fit(
+        TinyNet(), tiny_data(), ckpt_path=ckpt
+    )
+    # At step 9 the mask chosen at step 8 is in force, and the next probe window opens at step 10.
+    first = resumed_recorder.steps.index(9)
+    assert resumed_recorder.trainable[first] == tuple(state["mask"])
+    assert [r["step"] for r in state["history"]] == [2, 6]
+    assert state["history"][-1]["mask"] == "".join("1" if m else "0" for m in state["mask"])
+    # the schedule goes on where it was: the next probe window opens at step 10, the next selection at 12
+    assert all(resumed_recorder.trainable[resumed_recorder.steps.index(10)])
+    assert [r["step"] for r in resumed._history] == [2, 6, 12]
+    # and the run before the crash trained exactly what an uninterrupted run trains
+    assert reference_recorder.trainable[:10] == crashed_recorder.trainable[:10]
