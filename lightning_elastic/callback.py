@@ -36,7 +36,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_elastic.budget import StepTimeModel, step_time_model
-from lightning_elastic.distributed import install_selective_allreduce, prepare_strategy
+from lightning_elastic.distributed import SelectiveAllReduce, install_selective_allreduce, prepare_strategy
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy, apply_mask, match_patterns
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.inspection import profile_table, selection_heatmap
@@ -168,6 +168,7 @@ class ElasticTensorSelection(Callback):
         self._optimizer_timer: StepTimer | None = None
         self._overhead_timer: StepTimer | None = None
         self._bn_frozen: list[str] = []
+        self._allreduce: SelectiveAllReduce | None = None
         self._costs = _Costs()
         self._step_at_batch_start = 0
         self._step_seconds = 0.0
@@ -232,7 +233,7 @@ class ElasticTensorSelection(Callback):
         device = pl_module.device
         self._step_timer, self._optimizer_timer, self._overhead_timer = (StepTimer(device) for _ in range(3))
         self._restore_runtime_state()
-        install_selective_allreduce(trainer.strategy)
+        self._allreduce = install_selective_allreduce(trainer.strategy)
         rank_zero_info(
             f"ElasticTensorSelection: {len(self._params)} tensors profiled on {self._profile.device} "
             f"(full forward+backward {self._profile.t_full * 1e3:.1f} ms, forward {self._profile.t_fw * 1e3:.1f} ms); "
@@ -441,14 +442,16 @@ class ElasticTensorSelection(Callback):
         record = self._history[-1]
         record["selected_steps"] = list(steps)
         measured = _mean(steps)
-        _log_metrics(
-            trainer,
-            {
-                "elastic/measured_step_ms": measured * 1e3,
-                "elastic/predicted_step_ms": record["predicted_seconds"] * 1e3,
-                "elastic/measured_speedup": record["full_seconds"] / measured,
-            },
-        )
+        metrics = {
+            "elastic/measured_step_ms": measured * 1e3,
+            "elastic/predicted_step_ms": record["predicted_seconds"] * 1e3,
+            "elastic/measured_speedup": record["full_seconds"] / measured,
+        }
+        if self._allreduce is not None and self._allreduce.last_step_full_bytes:
+            metrics["elastic/allreduce_fraction"] = (
+                self._allreduce.last_step_bytes / self._allreduce.last_step_full_bytes
+            )
+        _log_metrics(trainer, metrics)
 
     def _log_selection(
         self, trainer: L.Trainer, record: dict[str, Any], select_seconds: float, optimizer_seconds: float
