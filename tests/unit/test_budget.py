@@ -1,9 +1,9 @@
 import itertools
 
 import pytest
-from lightning_elastic.profiler import TimingProfile
 
 from lightning_elastic.budget import StepTimeModel, step_time_model
+from lightning_elastic.profiler import TimingProfile
 from lightning_elastic.selector import select
 
 

@@ -1,7 +1,7 @@
 import numpy as np
-from lightning_elastic.profiler import TimingProfile
 
 from lightning_elastic.inspection import ALWAYS, FROZEN, NEVER, TRAINED, profile_table, selection_heatmap
+from lightning_elastic.profiler import TimingProfile
 
 
 def test_heatmap_cells_show_each_tensor_at_each_selection() -> None:
