@@ -1,0 +1,343 @@
+"""Per-tensor importance: the loss drop that each tensor's real optimizer update brings.
+
+For one optimizer step ``w -> w + dw`` the loss changes by the path integral of the gradient along the
+update. Split by tensor and estimated with the trapezoid rule, tensor ``k`` contributes
+
+    I_k = - sum_i (g_i(w) + g_i(w + dw)) / 2 * dw_i        (sum over the elements of tensor k)
+
+which is exact for a quadratic loss. ``dw`` is whatever the optimizer really did (momentum, Adam moments,
+weight decay, clipping, a skipped AMP step): it is read off the weights, never re-derived. ``g(w)`` is the
+gradient the step consumed and ``g(w + dw)`` the gradient of the next optimizer step; when the next step
+brings none for a tensor (end of the window, or the tensor is frozen then), its before-gradient stands
+alone. The ElasticTrainer reference uses the after-gradient alone. Importance is summed over a window of
+consecutive real training steps.
+
+:class:`ImportanceEvaluator` only reads gradients and weights; it keeps one copy of the trained tensors
+between ``before_step`` and the next step (the old weights, turned into ``-dw`` in place after the step).
+:func:`true_loss_drop` is the brute-force reference that the estimate is checked against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+# Per step: the tensor indices of one device and their contributions (a vector on that device).
+_Record = tuple[list[int], Tensor]
+Gradient = Literal["average", "before", "after"]
+GRADIENTS: tuple[str, ...] = get_args(Gradient)
+
+
+class ImportanceEvaluator:
+    """Accumulates ``I_k = -sum (g_before + g_after) / 2 * dw`` per tensor over a window of optimizer steps.
+
+    Call ``before_step()`` once the gradients are final (after backward, unscaling and clipping) and
+    before ``optimizer.step()``, and ``after_step()`` right after it, before the gradients are zeroed.
+    The next ``before_step()`` reads the after-gradient of the previous update; ``finish()`` settles the
+    last update with its before-gradient alone and frees the weight copies. Tensors whose ``.grad`` is
+    ``None`` at ``before_step()`` are frozen for that step: they are skipped and cost nothing.
+
+    Training is never disturbed: weights, gradients, ``requires_grad`` and optimizer state are only read.
+    Sums are kept on the parameters' devices and moved to the CPU (float64) once per read of
+    :attr:`importance`. A step whose weights did not change (an AMP step skipped on overflow) contributes
+    0, and a non-finite after-gradient falls back to the before-gradient.
+
+    Args:
+        params: The tensors to evaluate, in the order of the importance vector (forward order).
+        gradient: Which gradient multiplies the update: ``"average"`` of the before- and after-gradient,
+            the ``"before"``-gradient alone (first-order Taylor at ``w``; no after-gradient is read), or the
+            ``"after"``-gradient alone (the reference). Without an after-gradient the before-gradient
+            stands in.
+
+    Raises:
+        TypeError: If ``params`` is one tensor or holds a non-tensor.
+        ValueError: If ``params`` is empty, holds a tensor that is not floating point or the same tensor
+            twice, or ``gradient`` is not one of the above.
+
+    Example:
+        >>> model = torch.nn.Linear(3, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> evaluator = ImportanceEvaluator(list(model.parameters()))
+        >>> for _ in range(3):
+        ...     model(torch.ones(4, 3)).square().mean().backward()
+        ...     evaluator.before_step()
+        ...     optimizer.step()
+        ...     evaluator.after_step()
+        ...     optimizer.zero_grad()
+        >>> evaluator.finish()
+        >>> evaluator.importance.shape, evaluator.importance.dtype, evaluator.steps
+        (torch.Size([2]), torch.float64, 3)
+    """
+
+    def __init__(self, params: Iterable[Tensor], gradient: Gradient = "average") -> None:
+        if gradient not in GRADIENTS:
+            raise ValueError(f"`gradient` must be one of {GRADIENTS}. Found: {gradient!r}")
+        self._params: list[Tensor] = _check_params(params)
+        self._gradient = gradient
+        n = len(self._params)
+        self._settled = torch.zeros(n, dtype=torch.float64)
+        self._steps = 0
+        # w_old between before_step and after_step, then -dw until the next before_step settles it.
+        self._buffers: dict[int, Tensor] = {}
+        self._open: dict[torch.device, list[int]] | None = None
+        self._pending: list[_Record] = []
+        self._records: list[_Record] = []
+        self._nan: dict[torch.device, Tensor] = {}
+
+    @property
+    def importance(self) -> Tensor:
+        """Accumulated ``I_k``, shape ``(N,)``, float64 on the CPU.
+
+        The latest update counts with its before-gradient alone until the next ``before_step()``
+        brings its after-gradient, so this is always what ``finish()`` would leave now.
+        """
+        self._flush()
+        total = self._settled.clone()
+        for indices, values in self._pending:
+            total.index_add_(0, torch.tensor(indices), _finite(values).to("cpu", torch.float64))
+        return total
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps counted in the window (``after_step()`` calls since the last ``reset()``)."""
+        return self._steps
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """Settle the previous update with the current gradients and copy the weights about to change.
+
+        Raises:
+            RuntimeError: If the previous ``before_step()`` has no ``after_step()``, or a gradient is
+                not a dense tensor.
+        """
+        if self._open is not None:
+            raise RuntimeError(_ORDER + " Found: before_step() twice without after_step() in between")
+        grads = [p.grad for p in self._params]
+        self._settle(grads)
+        active: dict[torch.device, list[int]] = {}
+        for k, grad in enumerate(grads):
+            if grad is None:
+                self._buffers.pop(k, None)  # frozen for this step: free its copy
+                continue
+            if grad.layout != torch.strided:
+                raise RuntimeError(f"Importance needs dense gradients. Found: a {grad.layout} gradient for tensor {k}")
+            if k not in self._buffers:
+                self._buffers[k] = torch.empty_like(self._params[k])
+            active.setdefault(grad.device, []).append(k)
+        for indices in active.values():
+            torch._foreach_copy_([self._buffers[k] for k in indices], [self._params[k] for k in indices])
+        self._open = active
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Turn the weight copies into ``-dw`` and take the before-gradient part of the importance.
+
+        Raises:
+            RuntimeError: If ``before_step()`` was not called first, or a gradient that existed at
+                ``before_step()`` is gone (``after_step()`` must come before ``zero_grad()``).
+        """
+        if self._open is None:
+            raise RuntimeError(_ORDER + " Found: after_step() without before_step() before it")
+        for indices in self._open.values():
+            grads: list[Tensor] = []
+            missing: list[int] = []
+            for k in indices:
+                grad = self._params[k].grad
+                if grad is None:
+                    missing.append(k)
+                else:
+                    grads.append(grad)
+            if missing:
+                raise RuntimeError(
+                    _ORDER + " Call after_step() before the gradients are zeroed. Found: no gradient "
+                    f"at after_step() for tensors {missing}, which had one at before_step()"
+                )
+            buffers = [self._buffers[k] for k in indices]
+            torch._foreach_sub_(buffers, [self._params[k] for k in indices])
+            # Optimizers leave .grad as they found it: it is still the gradient the step consumed.
+            before = torch.stack([_dot(g, b) for g, b in zip(grads, buffers, strict=True)])
+            if self._gradient == "before":
+                self._records.append((indices, _finite(before)))
+            else:
+                self._pending.append((indices, before))
+        self._open = None
+        self._steps += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Close the window: settle the last update with its before-gradient alone and free the copies.
+
+        A step opened by ``before_step()`` without ``after_step()`` is dropped: its update did not happen.
+        This lets a caller read the last update's after-gradient at the next step's ``before_step()``,
+        then finish.
+        """
+        self._settle([None] * len(self._params))
+        self._open = None
+        self._buffers = {}
+
+    def reset(self) -> None:
+        """Start a new window: zero the sums and the step count, drop pending updates and copies."""
+        self._settled.zero_()
+        self._steps = 0
+        self._buffers = {}
+        self._open = None
+        self._pending = []
+        self._records = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: ``{"importance": list of N floats, "steps": int}``.
+
+        The weight copies are not saved: a restored evaluator counts the latest update with its
+        before-gradient alone (as :attr:`importance` does) and drops an open step.
+        """
+        return {"importance": self.importance.tolist(), "steps": self._steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the sums and step count of :meth:`state_dict`; pending updates and copies are dropped.
+
+        Raises:
+            ValueError: If ``state`` does not hold ``N`` finite importances and a non-negative step count.
+        """
+        importance, steps = state.get("importance"), state.get("steps")
+        n = len(self._params)
+        problem = _importance_problem(importance, n)
+        if problem:
+            raise ValueError(
+                f"`state['importance']` must be a list of {n} finite numbers (one per tensor). Found: {problem}"
+            )
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"`state['steps']` must be a non-negative int. Found: {steps!r}")
+        self.reset()
+        self._settled = torch.tensor(importance, dtype=torch.float64)
+        self._steps = steps
+
+    def _settle(self, grads: Sequence[Tensor | None]) -> None:
+        """Move the pending update into the records, averaging in the after-gradient where there is one."""
+        for indices, before in self._pending:
+            device = before.device
+            after = torch.stack(
+                [
+                    _dot(grad, self._buffers[k]) if (grad := grads[k]) is not None else self._nan_on(device)
+                    for k in indices
+                ]
+            )
+            combined = (before + after) * 0.5 if self._gradient == "average" else after
+            # A missing or non-finite after-gradient (frozen now, AMP overflow) leaves the before-gradient.
+            self._records.append((indices, _finite(torch.where(after.isfinite(), combined, before))))
+        self._pending = []
+
+    def _flush(self) -> None:
+        """Add the recorded contributions to the CPU sums: one transfer per device."""
+        by_device: dict[torch.device, tuple[list[int], list[Tensor]]] = {}
+        for indices, values in self._records:
+            all_indices, all_values = by_device.setdefault(values.device, ([], []))
+            all_indices.extend(indices)
+            all_values.append(values)
+        for all_indices, all_values in by_device.values():
+            values = torch.cat(all_values).to("cpu", torch.float64)
+            self._settled.index_add_(0, torch.tensor(all_indices), values)
+        self._records = []
+
+    def _nan_on(self, device: torch.device) -> Tensor:
+        if device not in self._nan:
+            self._nan[device] = torch.full((), math.nan, device=device)
+        return self._nan[device]
+
+
+def true_loss_drop(loss: Callable[[], Tensor], params: Sequence[Tensor], updates: Sequence[Tensor | None]) -> Tensor:
+    """Brute-force loss drop of each update alone: ``L(w) - L(w + dw_k e_k)`` for every tensor ``k``.
+
+    Each update is added to its tensor, the loss evaluated, and the tensor restored bit for bit; one loss
+    evaluation per tensor plus one. Tensors whose update is ``None`` get 0. Use a deterministic loss
+    (e.g. the model in ``eval()`` mode on a fixed batch) and, for small updates, float64 tensors.
+
+    Args:
+        loss: Evaluates the loss at the current values of ``params`` (called without autograd).
+        params: The tensors.
+        updates: One update per tensor (same shape), or ``None``.
+
+    Returns:
+        Shape ``(N,)``, float64 on the CPU.
+
+    Raises:
+        ValueError: If ``params`` and ``updates`` differ in length or an update's shape differs.
+
+    Example:
+        >>> w = torch.tensor([1.0, 2.0], dtype=torch.float64)
+        >>> true_loss_drop(lambda: w.square().sum(), [w], [torch.tensor([-0.5, 0.0], dtype=torch.float64)])
+        tensor([0.7500], dtype=torch.float64)
+    """
+    if len(params) != len(updates):
+        raise ValueError(f"`updates` must hold one entry per tensor of `params` ({len(params)}). Found: {len(updates)}")
+    for k, (p, dw) in enumerate(zip(params, updates, strict=True)):
+        if dw is not None and dw.shape != p.shape:
+            raise ValueError(
+                f"`updates[{k}]` must have the shape of `params[{k}]` {tuple(p.shape)}. Found: {tuple(dw.shape)}"
+            )
+    drops = torch.zeros(len(params), dtype=torch.float64)
+    with torch.no_grad():
+        base = float(loss())
+        for k, (p, dw) in enumerate(zip(params, updates, strict=True)):
+            if dw is None:
+                continue
+            saved = p.clone()
+            p.add_(dw)
+            drops[k] = base - float(loss())
+            p.copy_(saved)
+    return drops
+
+
+_ORDER = (
+    "The expected order at each optimizer step is: backward, before_step(), optimizer.step(), "
+    "after_step(), zero_grad()."
+)
+
+
+def _check_params(params: Iterable[Tensor]) -> list[Tensor]:
+    if isinstance(params, Tensor):
+        raise TypeError("`params` must be a sequence of tensors, not one tensor. Found: a Tensor")
+    tensors = list(params)
+    if not tensors:
+        raise ValueError("`params` must hold at least one tensor. Found: an empty sequence")
+    seen: dict[int, int] = {}
+    for k, p in enumerate(tensors):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"`params` must hold only tensors. Found: {type(p).__name__} at index {k}")
+        if not p.is_floating_point():
+            raise ValueError(f"`params` must hold floating-point tensors. Found: {p.dtype} at index {k}")
+        if id(p) in seen:
+            raise ValueError(f"`params` must not hold the same tensor twice. Found: indices {seen[id(p)]} and {k}")
+        seen[id(p)] = k
+    return tensors
+
+
+def _dot(x: Tensor, y: Tensor) -> Tensor:
+    """``sum(x * y)`` as a 0-dim tensor on their device; low-precision inputs are summed in float32.
+
+    There is no foreach reduction that keeps the sign, and ``torch.dot`` needs no temporary the size of
+    the tensor, so this is one small kernel per tensor.
+    """
+    if x.dtype not in (torch.float32, torch.float64):
+        x, y = x.float(), y.float()
+    return torch.dot(x.reshape(-1), y.reshape(-1))
+
+
+def _finite(values: Tensor) -> Tensor:
+    # Non-finite only when the gradient was (an AMP overflow): such a step is skipped and changes nothing.
+    return values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _importance_problem(value: object, n: int) -> str:
+    """What is wrong with a saved importance vector of ``n`` entries, or "" when nothing is."""
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        return repr(value)
+    if len(value) != n:
+        return f"{len(value)} entries"
+    for k, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return f"{v!r} at index {k}"
+    return ""
