@@ -94,6 +94,10 @@ class ImageDataModule(L.LightningDataModule, ABC):
         self.augment = augment
         self._splits: dict[str, Dataset[Any]] = {}
 
+    @abstractmethod
+    def setup(self, stage: str | None = None) -> None:
+        """Fill `self._splits` once; later calls do nothing."""
+
     def missing(self) -> list[str]:
         """What this machine lacks to load the data set (a package, a folder, a file); empty when nothing."""
         return []
@@ -231,7 +235,10 @@ class LazyImageData(ImageDataModule):
             rest = torch.nonzero(~is_test).flatten()
             inner_train, inner_val = stratified_split(labels[rest], (self.val_fraction,), self.seed)
             train, val = rest[inner_train], rest[inner_val]
-        self._splits = {name: Subset(images, part.tolist()) for name, part in zip(("train", "val", "test"), (train, val, test), strict=True)}
+        self._splits = {
+            name: Subset(images, part.tolist())
+            for name, part in zip(("train", "val", "test"), (train, val, test), strict=True)
+        }
 
     def _collate(self, split: str) -> Callable[[list[Any]], Batch]:
         return NormalisedBatch(self.image_size, flip=self.augment and split == "train")
@@ -353,7 +360,9 @@ class OxfordPetsDataModule(LazyImageData):
         needed = [base / "images", base / "annotations" / "trainval.txt", base / "annotations" / "test.txt"]
         absent = [str(path) for path in needed if not path.exists()]
         if importlib.util.find_spec("torchvision") is None:
-            return ["Oxford-IIIT Pet is read by torchvision, which is not installed: pip install 'lightning-elastic[zoo]'"]
+            return [
+                "Oxford-IIIT Pet is read by torchvision, which is not installed: pip install 'lightning-elastic[zoo]'"
+            ]
         if absent:
             return [
                 f"Oxford-IIIT Pet is not in {base}: {', '.join(absent)} not found. Download images.tar.gz and "
@@ -370,7 +379,9 @@ class OxfordPetsDataModule(LazyImageData):
         splits = [OxfordIIITPet(self.root, split=s, transform=square, download=False) for s in ("trainval", "test")]
         # The loader parses the annotation files; its label list saves decoding every image to stratify.
         labels = [torch.tensor(split._labels, dtype=torch.int64) for split in splits]
-        is_test = torch.cat([torch.zeros(len(labels[0]), dtype=torch.bool), torch.ones(len(labels[1]), dtype=torch.bool)])
+        is_test = torch.cat(
+            [torch.zeros(len(labels[0]), dtype=torch.bool), torch.ones(len(labels[1]), dtype=torch.bool)]
+        )
         return ImageSource(ConcatDataset(splits), torch.cat(labels), is_test)
 
 
@@ -411,7 +422,9 @@ class Cub200DataModule(LazyImageData):
         is_train = _read_id_table(self.root / "train_test_split.txt")
         ids = sorted(paths)
         if set(classes) != set(ids) or set(is_train) != set(ids):
-            raise ValueError(f"The files of {self.root} list different image ids: the folder is not the official layout")
+            raise ValueError(
+                f"The files of {self.root} list different image ids: the folder is not the official layout"
+            )
         # Class ids in the files start at 1.
         labels = torch.tensor([int(classes[i]) - 1 for i in ids])
         is_test = torch.tensor([is_train[i] == "0" for i in ids])
@@ -507,7 +520,7 @@ def read_idx(path: str | os.PathLike[str]) -> Tensor:
     return torch.from_numpy(values.astype(dtype.newbyteorder("="), copy=True).reshape(shape))
 
 
-_IDX_TYPES = {
+_IDX_TYPES: dict[int, np.dtype[Any]] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),
@@ -552,9 +565,15 @@ class ImageFolderDataModule(LazyImageData):
     def missing(self) -> list[str]:
         root = self.root.absolute()
         if not root.is_dir():
-            return [f"The image folder {root} does not exist: point `root` at a folder with one sub-folder of images per class (Hydra: dataset.root=DIR)"]
+            return [
+                f"The image folder {root} does not exist: point `root` at a folder with one sub-folder of images "
+                f"per class (Hydra: dataset.root=DIR)"
+            ]
         if len(self.classes) < 2:
-            return [f"The image folder {root} must hold one sub-folder of images per class, at least 2. Found: {self.classes}"]
+            return [
+                f"The image folder {root} must hold one sub-folder of images per class, at least 2. "
+                f"Found: {self.classes}"
+            ]
         empty = [name for name in self.classes if not self._files(name)]
         if empty:
             return [f"These class folders of {root} hold no {'/'.join(self.extensions)} images: {', '.join(empty)}"]

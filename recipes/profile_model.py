@@ -1,0 +1,93 @@
+"""Profile a model's per-tensor training times on this device, print the table and save it.
+
+    python recipes/profile_model.py                                         # EfficientNet-Lite0, ELPV's shape, CPU
+    python recipes/profile_model.py model=resnet50 model.net.pretrained=false dataset=cub200 dataset.batch_size=4
+
+Composes `conf/profile.yaml`, builds the LightningModule as `recipes/train.py` would (the data set gives only the
+number of classes, the image size and the batch size: no image is read), and times a training step on a random
+batch with `lightning_elastic.profile`. Writes `profile.md` (the table) and `profile.json` (the figures) to the
+run's output folder; with `paths.cache_dir` set, a later training run on the same device reuses the profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+import torch.nn.functional as F
+from _common import ConfigError, Problems, build_data_and_module, check_settings, set_threads
+from omegaconf import DictConfig
+from torch import Tensor
+
+from lightning_elastic import TimingProfile, profile
+from lightning_elastic.inspection import profile_table
+
+# Lightning precision settings -> the autocast dtype a training step runs under (None: no autocast).
+AUTOCAST: dict[str, torch.dtype | None] = {
+    "32-true": None,
+    "32": None,
+    "16-mixed": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+}
+
+
+@hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """The command line: a config problem ends the run with its message (exit status 2), not a stack trace."""
+    try:
+        run(cfg)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(cfg: DictConfig) -> TimingProfile:
+    """Check the config, build the module, profile it; print the table and write it to the output folder."""
+    L.seed_everything(cfg.seed, verbose=False)
+    set_threads(cfg)
+    problems = Problems()
+    problems.messages += check_settings(cfg)
+    precision = str(cfg.device.precision)
+    if precision not in AUTOCAST:
+        problems.add("device", f"`precision` must be one of {tuple(AUTOCAST)} to profile. Found: {precision!r}")
+    accelerator = str(cfg.device.accelerator)
+    if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        problems.add("device", f"`accelerator` is {accelerator!r} but PyTorch sees no CUDA device: use device=cpu")
+    datamodule, module = build_data_and_module(cfg, problems, need_data=False)
+    if problems.messages:
+        raise ConfigError(problems.messages)
+    assert datamodule is not None and module is not None
+    device = torch.device("cuda" if accelerator in ("cuda", "gpu") else "cpu")
+    module = module.to(device).train()
+    size, batch = int(cfg.dataset.image_size), int(cfg.dataset.batch_size)
+    images = torch.randn(batch, 3, size, size, device=device)
+    labels = torch.randint(datamodule.num_classes, (batch,), device=device)
+    dtype = AUTOCAST[precision]
+
+    def compute_loss() -> Tensor:
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with autocast:
+            return F.cross_entropy(module(images), labels)
+
+    profiled = profile(module, compute_loss, method=cfg.time_model, cache_dir=cfg.paths.cache_dir)
+    table = profile_table(profiled)
+    output_dir = Path(cfg.paths.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "profile.md").write_text(table + "\n")
+    (output_dir / "profile.json").write_text(json.dumps(profiled.to_dict(), indent=2) + "\n")
+    print(table)
+    print(
+        f"\n{len(profiled.names)} tensors on {profiled.device} ({profiled.method}): full step "
+        f"{profiled.t_full * 1e3:.1f} ms, forward {profiled.t_fw * 1e3:.1f} ms, batch {batch} x {size} x {size}.\n"
+        f"Saved: {output_dir / 'profile.md'} and profile.json"
+    )
+    return profiled
+
+
+if __name__ == "__main__":
+    main()
