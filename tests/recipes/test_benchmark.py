@@ -1,0 +1,195 @@
+"""`recipes/benchmark.py`: its configs, its tables from known runs, and the real command line on tiny fake data."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from benchmark import (
+    Method,
+    benchmark_problems,
+    markdown_report,
+    methods_of,
+    run_config,
+    table_rows,
+    time_to_accuracy,
+)
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_elastic.zoo.models import tiny_cnn
+from lightning_elastic.zoo.module import ImageClassifier
+from tests.integration.tiny import synthetic_profile
+from tests.recipes.recipe_fakes import CONF, REPO, compose_config, fake_fashion_mnist
+
+PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
+CSV_COLUMNS = [
+    "method", "seed", "wall_s", "speedup_vs_full", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
+    "final_acc", "test_acc", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
+    "total_tensors", "offline_s", "profile_s", "probe_s", "select_s", "freeze_s", "full_step_ms", "selected_step_ms",
+    "step_fraction", "step_vs_full_run", "predicted_step_ms", "selections", "changed_selections", "mean_tensors_changed",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", [None, *PRESETS])
+def test_every_preset_composes_into_runs_that_differ_only_in_method_and_seed(
+    preset: str | None, tmp_path: Path
+) -> None:
+    cfg = compose_config([] if preset is None else [f"benchmark={preset}"], tmp_path, name="benchmark")
+    assert benchmark_problems(cfg) == []
+    methods = methods_of(cfg)
+    assert [m.kind for m in methods][: len(cfg.benchmark.baselines)] == list(cfg.benchmark.baselines)
+    full = run_config(cfg, methods[0], 7)
+    elastic = run_config(cfg, methods[-1], 7)
+    assert full["seed"] == elastic["seed"] == full["dataset"]["seed"] == 7
+    assert full["elastic"]["_target_"] is None and elastic["elastic"]["speedup"] == methods[-1].speedup
+    assert elastic["elastic"]["cache_dir"] is None  # every elastic run profiles, inside its measured wall clock
+    assert (full["logger"]["name"], full["logger"]["version"]) == (methods[0].name, "seed_7")
+    assert full["paths"]["output_dir"] == str(tmp_path)
+    same = {k for k in full if full[k] == elastic[k]}
+    assert same == set(full) - {"elastic", "logger"}
+
+
+def test_the_default_run_is_the_published_setting(tmp_path: Path) -> None:
+    cfg = compose_config([], tmp_path, name="benchmark")
+    assert [m.name for m in methods_of(cfg)] == [
+        "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning",
+        "elastic_1.5x", "elastic_2x", "elastic_3x",
+    ]  # fmt: skip
+    assert cfg.model.head == "model._fc.*" and cfg.dataset.image_size == 96 and len(cfg.benchmark.seeds) == 3
+
+
+def test_benchmark_settings_are_checked_together(tmp_path: Path) -> None:
+    cfg = compose_config(
+        ["benchmark.seeds=[1,1]", "benchmark.baselines=[full,lora]", "benchmark.elastic_speedups=[0.5]",
+         "benchmark.accuracy_fraction=2"],
+        tmp_path,
+        name="benchmark",
+    )  # fmt: skip
+    assert benchmark_problems(cfg) == [
+        "benchmark: `seeds` must be a non-empty list of distinct ints. Found: [1, 1]",
+        "benchmark: `baselines` must be distinct names among ('full', 'head_only', 'bitfit', 'static_last_k', "
+        "'backbone_finetuning'). Found: ['full', 'lora']",
+        "benchmark: `elastic_speedups` must be distinct numbers > 1. Found: [0.5]",
+        "benchmark: `accuracy_fraction` must be a number in (0, 1]. Found: 2",
+    ]
+
+
+def _run(method: str, kind: str, seed: int, wall: float, accuracies: list[float], **extra: Any) -> dict[str, Any]:
+    curve = [{"epoch": e, "seconds": wall * (e + 1) / len(accuracies), "value": a} for e, a in enumerate(accuracies)]
+    return {
+        "method": method, "kind": kind, "seed": seed, "wall_seconds": wall, "validation_seconds": 1.0, "steps": 10,
+        "mean_step_seconds": wall / 20, "curve": curve, "best_accuracy": max(accuracies),
+        "final_accuracy": accuracies[-1], "test_accuracy": accuracies[-1], "peak_memory_mb": 100.0,
+        "energy_joules": 3600.0, "energy_source": "estimate", "cpu_share": 0.9, "trained_tensors": 2.0, "total_tensors": 4,
+        "offline_seconds": 0.0, **extra,
+    }  # fmt: skip
+
+
+def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path: Path) -> None:
+    elastic = {
+        "elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "select_seconds": 0.01, "full_step_seconds": 0.4,
+                    "selected_step_seconds": 0.2, "measured_speedup": 2.0, "selections": 3.0},
+        "freeze_seconds": 0.002, "mask_changes": [0, 2],
+    }  # fmt: skip
+    runs = [
+        _run("full", "full", 0, 100.0, [0.5, 0.8, 0.9]),
+        _run("elastic_2x", "elastic", 0, 50.0, [0.6, 0.895, 0.89], **elastic),
+        _run("head_only", "head_only", 0, 20.0, [0.5, 0.6, 0.6]),
+        _run("full", "full", 1, 120.0, [0.7, 0.7, 0.7]),
+        _run("elastic_2x", "elastic", 1, 60.0, [0.6, 0.6, 0.7], **elastic),
+        _run("head_only", "head_only", 1, 30.0, [0.5, 0.5, 0.7]),
+    ]
+    rows = table_rows(runs, 0.99)
+    assert list(rows[0]) == CSV_COLUMNS
+    by = {(r["method"], r["seed"]): r for r in rows}
+    assert by["elastic_2x", 0]["speedup_vs_full"] == 2.0 and by["head_only", 1]["speedup_vs_full"] == 4.0
+    # 99% of full's best (0.9) is 0.891: reached at the second of three validations, at 2/3 of the 50 s.
+    assert by["elastic_2x", 0]["time_to_target_s"] == pytest.approx(100 / 3)
+    assert math.isnan(by["head_only", 0]["time_to_target_s"]) and by["head_only", 1]["time_to_target_s"] == 30.0
+    assert by["elastic_2x", 0]["step_fraction"] == 0.5 and by["elastic_2x", 0]["changed_selections"] == 1
+    assert by["elastic_2x", 1]["step_vs_full_run"] == pytest.approx(0.2 / 6.0)  # full's mean step: 120 s / 20
+    assert by["elastic_2x", 0]["energy_wh"] == 1.0
+    cfg = compose_config(["benchmark.seeds=[0,1]"], tmp_path, name="benchmark")
+    report = markdown_report(cfg, rows, 60.0)
+    row = "| elastic_2x | 50 ± 0% | 55.0 ± 7.1 | 2.00 ± 0.00 | 2750 ± 354 | 79.8 ± 13.8 | 79.5 ± 13.4 | 79.5 ± 13.4 "
+    assert row + "| 46.7 ± 18.9 | 100 ± 0 | 1.000 ± 0.000 |" in report
+    assert "| 30.0 (1/2) |" in report  # only the second seed of head_only reaches its target: counted apart
+    assert "- end-to-end wall clock >= 1.8x faster than full fine-tuning: 2.00x, met" in report
+    assert "- final accuracy within 1 point of full fine-tuning: 79.5% vs 80.0% (-0.5), met" in report
+    assert "- final accuracy above head_only (step 1250 ms vs 2750 ms): 79.5% vs 65.0%, met" in report
+    assert "- selected step <= 0.55 of the full step measured in the same run: 0.500, met (against the full " in report
+
+
+def test_time_to_accuracy_is_the_first_validation_that_reaches_the_target() -> None:
+    curve = [{"seconds": 1.0, "value": 0.2}, {"seconds": 2.0, "value": 0.9}, {"seconds": 3.0, "value": 0.95}]
+    assert time_to_accuracy(curve, 0.9) == 2.0
+    assert math.isnan(time_to_accuracy(curve, 0.96))
+
+
+def test_method_names_say_the_speedup() -> None:
+    cfg = OmegaConf.create({"benchmark": {"baselines": [], "elastic_speedups": [1.5, 3]}})
+    assert methods_of(cfg) == [Method("elastic_1.5x", "elastic", 1.5), Method("elastic_3x", "elastic", 3.0)]
+
+
+@pytest.mark.slow
+def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path) -> None:
+    fake_fashion_mnist(tmp_path / "fmnist", train=240, test=48)
+    # A fixed timing profile for the static and elastic selections, used alone (no calibration with measured
+    # steps): the tiny CNN's measured times are mostly noise, and the decisions are then the same in every run.
+    module = ImageClassifier(tiny_cnn(num_classes=3), num_classes=3)
+    (tmp_path / "profile.json").write_text(json.dumps(synthetic_profile(module).to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable, "recipes/benchmark.py", "benchmark=tiny", "dataset=fashion_mnist",
+        f"dataset.root={tmp_path / 'fmnist'}", f"+elastic.profile={tmp_path / 'profile.json'}", "+elastic.calibrate=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    with (run / "results.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    methods = ["full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "elastic_1.2x", "elastic_1.5x"]
+    assert [r["method"] for r in rows] == methods and list(rows[0]) == CSV_COLUMNS
+    runs = {r["method"]: r for r in json.loads((run / "runs.json").read_text())}
+    head = ["model.10.weight", "model.10.bias"]
+    # What each baseline really updated, compared with its parameters before and after the fit.
+    assert runs["head_only"]["updated_tensors"] == head
+    assert set(runs["bitfit"]["updated_tensors"]) == {
+        "model.0.bias", "model.1.weight", "model.1.bias", "model.3.bias", "model.4.weight", "model.4.bias",
+        "model.6.bias", *head,
+    }  # fmt: skip
+    assert len(runs["full"]["updated_tensors"]) == runs["full"]["total_tensors"] == 12
+    static = runs["static_last_k"]
+    assert static["updated_tensors"][-2:] == head and 2 <= static["trained_tensors"] < 12
+    for name in ("elastic_1.2x", "elastic_1.5x"):
+        history = runs[name]["history"]
+        assert len(history) == 1 and all(h["mask"][-2:] == "11" for h in history)  # the head is always trained
+        assert runs[name]["tensor_names"] == [n for n, _ in module.named_parameters()]
+    for r in runs.values():
+        steps = r["steps"] * r["mean_step_seconds"]
+        assert r["steps"] == 8 and 0 < steps + r["validation_seconds"] < r["wall_seconds"]
+        assert 0 <= r["final_accuracy"] <= 1 and r["curve"][-1]["value"] == r["final_accuracy"]
+        assert r["energy_source"] == "estimate"
+        assert r["energy_joules"] == pytest.approx(r["wall_seconds"] * 15.0, rel=1e-3)  # device=cpu: 15 W
+        assert r["peak_memory_mb"] > 50 and 0 < r["cpu_share"] <= 1.05
+    assert float(rows[0]["speedup_vs_full"]) == 1.0
+    report = (run / "results.md").read_text()
+    assert report in result.stdout
+    assert all(f"| {m} |" in report for m in methods) and "## Targets (elastic_1.5x" in report
+    assert (run / "accuracy_vs_time.png").stat().st_size > 10_000
+    assert (run / "selection_heatmap.png").stat().st_size > 5_000
+    events = EventAccumulator(str(run / "tensorboard" / "summary"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert "accuracy_vs_seconds/elastic_1.5x/seed_0" in events.Tags()["scalars"]
+    per_run = EventAccumulator(str(run / "tensorboard" / "elastic_1.5x" / "seed_0"), size_guidance={"images": 0})
+    per_run.Reload()
+    assert len(per_run.Images("elastic/selection")) == 1 and per_run.Scalars("val/acc")
