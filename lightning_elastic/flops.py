@@ -80,18 +80,19 @@ def default_mem_weight(device: torch.device) -> float:
     return 30.0 if device.type == "cpu" else 200.0
 
 
-def _tensors(obj: Any) -> list[Tensor]:
+def tensors_in(obj: Any) -> list[Tensor]:
+    """Every tensor in a nest of tensors, lists, tuples and mappings, depth first."""
     if isinstance(obj, Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
+        return [t for item in obj for t in tensors_in(item)]
     if isinstance(obj, Mapping):
-        return [t for item in obj.values() for t in _tensors(item)]
+        return [t for item in obj.values() for t in tensors_in(item)]
     return []
 
 
 def _float_numel(obj: Any) -> int:
-    return sum(t.numel() for t in _tensors(obj) if t.is_floating_point())
+    return sum(t.numel() for t in tensors_in(obj) if t.is_floating_point())
 
 
 def _split_params(
@@ -129,7 +130,7 @@ def op_costs(
         >>> costs.dx, costs.dw[id(w)]
         (1024.0, 1024.0)
     """
-    outs = [t for t in _tensors(out) if t.is_floating_point()]
+    outs = [t for t in tensors_in(out) if t.is_floating_point()]
     if not outs or name in _VIEW_OPS:
         return OpCosts()
     out0 = outs[0]
@@ -139,17 +140,17 @@ def op_costs(
         weight = args[1] if len(args) > 1 else kwargs["weight"]
         # Each output element (convolution) or input element (transposed convolution) is a dot product
         # over one kernel slice of the weight.
-        positions = out_numel if name in _CONV_OPS else float(_tensors(args[0])[0].numel())
+        positions = out_numel if name in _CONV_OPS else float(tensors_in(args[0])[0].numel())
         flops = 2.0 * positions * weight[0].numel()
         return OpCosts(dx=flops, dw=_split_params(params, lambda p: flops, mem))
     if name == "linear":
         rows = out_numel / max(out0.shape[-1], 1)
         return OpCosts(
-            dx=2.0 * out_numel * _tensors(args[0])[0].shape[-1],
+            dx=2.0 * out_numel * tensors_in(args[0])[0].shape[-1],
             dw=_split_params(params, lambda p: 2.0 * rows * p.numel(), mem),
         )
     if name in _MATMUL_OPS or name in {"addmm", "baddbmm", "addbmm", "einsum"}:
-        operands = [t for t in _tensors(args) if t.is_floating_point()]
+        operands = [t for t in tensors_in(args) if t.is_floating_point()]
         inner = operands[-1].shape[-2] if operands[-1].dim() >= 2 else operands[-1].shape[-1]
         flops = 2.0 * out_numel * inner
         # The gradient of each matrix operand is one product of the same size as the forward one.
@@ -159,7 +160,7 @@ def op_costs(
         n_data = sum(1 for t in grads if not any(t is p for p in params))
         return OpCosts(dx=flops * n_data, dw=dw)
     if name == "scaled_dot_product_attention":
-        q, k = _tensors(args)[:2]
+        q, k = tensors_in(args)[:2]
         flops = 4.0 * q.numel() * k.shape[-2]
         return OpCosts(dx=2.5 * flops)
     if name == "multi_head_attention_forward":
@@ -176,7 +177,7 @@ def _mha_costs(
     args: Sequence[Any], kwargs: Mapping[str, Any], params: Sequence[Tensor], out: Tensor, mem_weight: float
 ) -> OpCosts:
     """``F.multi_head_attention_forward``: input projection, attention, output projection."""
-    query = _tensors(args[0])[0]
+    query = tensors_in(args[0])[0]
     embed = float(query.shape[-1])
     tokens = query.numel() / embed
     seq = float(query.shape[0])  # (L, N, E) layout inside the functional form

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_elastic.flops import default_mem_weight, op_costs
+from lightning_elastic.flops import default_mem_weight, op_costs, tensors_in
 
 __all__ = ["TimingMethod", "TimingProfile", "profile"]
 
@@ -398,16 +398,6 @@ def _python_rng_kept() -> Iterator[None]:
         random.setstate(saved)
 
 
-def _tensors(obj: Any) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, Mapping):
-        return [t for item in obj.values() for t in _tensors(item)]
-    return []
-
-
 class _OpRecorder(TorchFunctionMode):
     """Times every torch function call of a forward pass and keeps what it needs about each call."""
 
@@ -606,7 +596,7 @@ class _Runner:
         calls: list[Any] = []
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            tensors = _tensors(args) + _tensors(kwargs)
+            tensors = tensors_in(args) + tensors_in(kwargs)
             calls.append([type(module).__name__, [[list(t.shape), str(t.dtype)] for t in tensors]])
 
         handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.model.modules()]
@@ -680,9 +670,9 @@ class _Runner:
         ids = {id(p) for p in self.params}
 
         def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _OpGraph:
-            inputs = _tensors(args) + _tensors(kwargs)
+            inputs = tensors_in(args) + tensors_in(kwargs)
             return _OpGraph(
-                outputs=[t.grad_fn for t in _tensors(out) if t.grad_fn is not None],
+                outputs=[t.grad_fn for t in tensors_in(out) if t.grad_fn is not None],
                 inputs=[t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None],
                 params=[id(t) for t in inputs if id(t) in ids],
             )
@@ -721,7 +711,7 @@ class _Runner:
         ids = {id(p) for p in self.params}
 
         def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
-            inputs = _tensors(args) + _tensors(kwargs)
+            inputs = tensors_in(args) + tensors_in(kwargs)
             params = [t for t in inputs if id(t) in ids]
             costs = op_costs(getattr(func, "__name__", ""), args, kwargs, out, params, mem_weight)
             data_fns = [t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None]
