@@ -392,7 +392,7 @@ class ElasticTensorSelection(Callback):
             model.t_dw,
             model.t_dy,
             importance.tolist(),
-            max(budget, floor, 1e-12),
+            max(budget, _with_grid_slack(floor, sum(self._required), self._resolution), 1e-12),
             self._resolution,
             required=self._required,
             forbidden=self._forbidden,
@@ -622,6 +622,11 @@ def _same_on_every_rank(trainer: L.Trainer, profiled: TimingProfile) -> TimingPr
     if trainer.world_size == 1:
         return profiled
     return TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
+
+
+def _with_grid_slack(seconds: float, tensors: int, resolution: int) -> float:
+    """A budget that still holds `seconds` of `tensors` costs after each is rounded up to the selector's grid."""
+    return seconds * resolution / max(resolution - tensors - 2, 1)
 
 
 def _cheapest_single(model: StepTimeModel, importance: Tensor, forbidden: Sequence[bool]) -> tuple[bool, ...]:

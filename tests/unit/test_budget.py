@@ -65,3 +65,14 @@ def test_max_speedup_is_that_of_the_cheapest_admissible_selection() -> None:
     # a required input-side tensor pays the whole dy chain
     assert model.max_speedup((True, False, False, False), none) == pytest.approx(model.full / (4 + 3 + 6))
     assert model.max_speedup(none, none, full=20.0) == pytest.approx(4.0)
+
+
+def test_a_budget_equal_to_the_pinned_cost_survives_rounding_to_the_grid() -> None:
+    """The callback's floor: required tensors costing exactly the budget must still fit once rounded up."""
+    from lightning_elastic.callback import _with_grid_slack
+
+    t_dw, t_dy = [0.01, 0.0135888, 0.002], [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="grid units once rounded up"):
+        select(t_dw, t_dy, [1.0, 1.0, 1.0], 0.0235888, 1000, required=[True, True, False])
+    budget = _with_grid_slack(0.0235888, tensors=2, resolution=1000)
+    assert select(t_dw, t_dy, [1.0, 1.0, 1.0], budget, 1000, required=[True, True, False]).mask == (True, True, False)
