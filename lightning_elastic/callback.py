@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_elastic.budget import StepTimeModel, step_time_model
 from lightning_elastic.distributed import SelectiveAllReduce, install_selective_allreduce, prepare_strategy
+from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy, apply_mask, match_patterns
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.inspection import profile_table, selection_heatmap
@@ -142,7 +143,7 @@ class ElasticTensorSelection(Callback):
                 f"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: {profile!r}"
             )
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ElasticConfigError("; ".join(problems))
         self._speedup = float(speedup)
         self._interval = interval
         self._interval_unit: IntervalUnit = interval_unit
@@ -179,6 +180,7 @@ class ElasticTensorSelection(Callback):
         self._history: list[dict[str, Any]] = []
         self._totals = {"profile_seconds": 0.0, "probe_seconds": 0.0, "select_seconds": 0.0}
         self._restored: dict[str, Any] | None = None
+        self._active = True  # False under a `fast_dev_run` too short for the schedule
 
     # ------------------------------------------------------------------ checks that need the trainer
 
@@ -187,18 +189,26 @@ class ElasticTensorSelection(Callback):
         if stage != "fit":
             return
         if not pl_module.automatic_optimization:
-            raise ValueError(
+            raise ElasticConfigError(
                 "`ElasticTensorSelection` needs automatic optimization (it measures importance around each "
                 "optimizer step). Found: `automatic_optimization = False`"
             )
         prepare_strategy(trainer.strategy)
         if not any(p.requires_grad for p in pl_module.parameters()):
-            raise ValueError("`ElasticTensorSelection` needs a model with trainable parameters. Found: none")
+            raise ElasticConfigError("`ElasticTensorSelection` needs a model with trainable parameters. Found: none")
 
     # ------------------------------------------------------------------ 1. profile, once
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        try:
+            self._schedule = self._make_schedule(trainer)
+        except ElasticConfigError as err:
+            if not getattr(trainer, "fast_dev_run", False):  # set by the Trainer; not in its type stubs
+                raise
+            self._active = False  # a smoke test too short for a probe window and a selection
+            rank_zero_info(f"ElasticTensorSelection: off under `fast_dev_run`, every tensor trains ({err})")
+            return
         started = time.perf_counter()
         self._profile = (
             self._restored_profile(pl_module)
@@ -210,7 +220,7 @@ class ElasticTensorSelection(Callback):
         named = dict(pl_module.named_parameters())
         missing = [n for n in self._profile.names if n not in named]
         if missing:
-            raise ValueError(
+            raise ElasticConfigError(
                 f"`profile` must describe this module's parameters (names as `named_parameters()` gives them). "
                 f"Found names the module does not have: {missing[:5]}"
             )
@@ -221,14 +231,15 @@ class ElasticTensorSelection(Callback):
         self._forbidden = tuple(a or b for a, b in zip(never, user_frozen, strict=True))
         clash = [n for n, r, f in zip(self._profile.names, self._required, self._forbidden, strict=True) if r and f]
         if clash:
-            raise ValueError(
+            raise ElasticConfigError(
                 "`train_always` must not name tensors that `train_never` names or that do not require grad. "
                 f"Found: {clash}"
             )
         if all(self._forbidden):
-            raise ValueError("`train_never` must leave at least one trainable tensor. Found: every tensor excluded")
+            raise ElasticConfigError(
+                "`train_never` must leave at least one trainable tensor. Found: every tensor excluded"
+            )
         self._check_reachable(step_time_model(self._profile))
-        self._schedule = self._make_schedule(trainer)
         self._evaluator = ImportanceEvaluator(self._params)
         device = pl_module.device
         self._step_timer, self._optimizer_timer, self._overhead_timer = (StepTimer(device) for _ in range(3))
@@ -267,7 +278,7 @@ class ElasticTensorSelection(Callback):
     def _check_reachable(self, model: StepTimeModel, full: float | None = None) -> None:
         reachable = model.max_speedup(self._required, self._forbidden, full)
         if reachable < self._speedup:
-            raise ValueError(
+            raise ElasticConfigError(
                 f"`speedup` must be at most {reachable:.2f} for this model on this device: the forward pass and "
                 f"the parts of a step that every selection pays (at least the `train_always` tensors, or one "
                 f"tensor) take {1 / reachable:.0%} of a full step. Found: {self._speedup:g}"
@@ -278,7 +289,7 @@ class ElasticTensorSelection(Callback):
         steps_per_epoch = math.ceil(batches / trainer.accumulate_grad_batches) if math.isfinite(batches) else math.inf
         schedule = Schedule(self._interval, self._interval_unit, self._probe_steps, steps_per_epoch)
         if schedule.period <= self._probe_steps:
-            raise ValueError(
+            raise ElasticConfigError(
                 f"`probe_steps` must be fewer than the optimizer steps between two selections ({schedule.period:g} "
                 f"= `interval` {self._interval} x {'steps per epoch' if self._interval_unit == 'epoch' else '1 step'}"
                 f"). Found: {self._probe_steps}"
@@ -289,6 +300,8 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._active:
+            return
         assert self._schedule is not None
         if self._pending_selection:
             self._select_and_apply(trainer, pl_module)
@@ -300,6 +313,8 @@ class ElasticTensorSelection(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if not self._active:
+            return
         assert self._schedule is not None and self._step_timer is not None
         step = trainer.global_step
         self._step_at_batch_start = step
@@ -312,6 +327,8 @@ class ElasticTensorSelection(Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if not self._active:
+            return
         if self._probe_end is None:
             return
         assert self._evaluator is not None and self._overhead_timer is not None and self._optimizer_timer is not None
@@ -324,6 +341,8 @@ class ElasticTensorSelection(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._active:
+            return
         assert self._step_timer is not None and self._evaluator is not None
         assert self._overhead_timer is not None and self._optimizer_timer is not None
         if trainer.global_step == self._step_at_batch_start:  # accumulating gradients: the step goes on
@@ -495,6 +514,8 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._active:
+            return
         self._log_interval_timing(trainer)
         self._costs.selected_steps = []
         summary = self.summary()
@@ -559,7 +580,7 @@ def _loss_of(output: Any) -> Tensor:
     """The loss a `training_step` returned (a tensor, or a mapping with "loss")."""
     loss = output["loss"] if isinstance(output, dict) else output
     if not isinstance(loss, Tensor):
-        raise ValueError(
+        raise ElasticConfigError(
             "`ElasticTensorSelection` profiles the real training step, so `training_step` must return the loss "
             f"(a tensor or a dict with 'loss'). Found: {type(output).__name__}"
         )
@@ -592,7 +613,7 @@ def _load_profile(given: TimingProfile | str | os.PathLike[str] | None) -> Timin
     try:
         return TimingProfile.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError) as err:
-        raise ValueError(
+        raise ElasticConfigError(
             f"`profile` must be a readable timing profile saved as JSON. Found: {str(path)!r} ({err})"
         ) from err
 

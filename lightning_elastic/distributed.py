@@ -46,6 +46,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_elastic.errors import ElasticConfigError
+
 # The reducer's map of used tensors holds one int32 per tensor of the reducer.
 USED_MAP_BYTES_PER_TENSOR = 4
 
@@ -67,7 +69,7 @@ def prepare_strategy(strategy: Strategy) -> None:
     """
     name = type(strategy).__name__
     if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, XLAStrategy)):
-        raise ValueError(
+        raise ElasticConfigError(
             "`ElasticTensorSelection` supports single-device strategies and DDP (`strategy='ddp'`, 'ddp_spawn', "
             "'ddp_fork', 'ddp_notebook'; the model must fit on each device). FSDP and DeepSpeed flatten and shard "
             "parameters, which fixes `requires_grad` per shard when the model is wrapped, so tensors cannot leave "
@@ -77,7 +79,7 @@ def prepare_strategy(strategy: Strategy) -> None:
     if isinstance(strategy, SingleDeviceStrategy):
         return
     if not isinstance(strategy, DDPStrategy):
-        raise ValueError(
+        raise ElasticConfigError(
             "`ElasticTensorSelection` supports single-device strategies and DDP (`strategy='ddp'`, 'ddp_spawn', "
             f"'ddp_fork', 'ddp_notebook'). Found: {name}"
         )
@@ -95,7 +97,7 @@ def prepare_strategy(strategy: Strategy) -> None:
             f"{kwargs['find_unused_parameters']!r}"
         )
     if problems:
-        raise ValueError("`ElasticTensorSelection` under DDP: " + "; ".join(problems))
+        raise ElasticConfigError("`ElasticTensorSelection` under DDP: " + "; ".join(problems))
     if "find_unused_parameters" not in kwargs:
         kwargs["find_unused_parameters"] = True
         rank_zero_info(

@@ -14,6 +14,8 @@ from typing import Literal
 
 from torch import nn
 
+from lightning_elastic.errors import ElasticConfigError
+
 BnPolicy = Literal["update", "freeze"]
 BN_POLICIES: tuple[str, ...] = ("update", "freeze")
 
@@ -31,7 +33,7 @@ def match_patterns(names: Sequence[str], patterns: Iterable[str], setting: str) 
     unmatched = [p for p in patterns if not any(fnmatchcase(n, p) for n in names)]
     if unmatched:
         shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-        raise ValueError(
+        raise ElasticConfigError(
             f"`{setting}` patterns must each match at least one trainable parameter name (shell-style, e.g. "
             f"'classifier.*'; names: {shown}). Found patterns matching nothing: {unmatched}"
         )

@@ -63,6 +63,8 @@ _FORMAT_VERSION = 1
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _SEGMENTS = 4  # calibration segments: plain timings of 5 selections, each repeated
 _MAX_CORRECTION = 3.0  # hooks never mis-measure a segment by more; larger factors are noise
+_NOISE_LIMIT = 0.1  # repeated plain timings whose median is this far above their fastest are disturbed ...
+_NOISE_ROUNDS = 3  # ... and get up to this many times `repeats` rounds
 _Node = Any  # torch.autograd.graph.Node; its C++ subclasses carry no useful static type
 
 
@@ -492,16 +494,23 @@ class _InputLeaves:
 
 
 def _walk(root: _Node) -> list[_Node]:
-    """Every node reachable from ``root`` (iteratively: graphs can be deeper than the recursion limit)."""
+    """Every node reachable from ``root``, in an order fixed by the graph's structure alone.
+
+    Iterative (graphs can be deeper than the recursion limit). The order must not depend on where nodes live in
+    memory: callers sort by sequence number, and nodes that share one (several outputs of one op) keep this
+    order, so that passes over the same graph line up position by position.
+    """
     seen = {root}
+    found = [root]
     stack = [root]
     while stack:
         node = stack.pop()
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
+                found.append(nxt)
                 stack.append(nxt)
-    return list(seen)
+    return found
 
 
 @dataclass
@@ -699,10 +708,20 @@ class _Runner:
             masks.append(mask)
         empty: list[float] = []
         steps: list[list[float]] = [[] for _ in knots]
-        for _ in range(repeats):
+        for rounds in range(1, _NOISE_ROUNDS * repeats + 1):
             empty.append(self.plain([False] * len(self.params))[0])
             for mask, column in zip(masks, steps, strict=True):
                 column.append(self.plain(mask)[1])
+            noise = max(_noise(column) for column in (empty, *steps))
+            if rounds >= repeats and noise <= _NOISE_LIMIT:
+                break
+        if noise > _NOISE_LIMIT:
+            warnings.warn(
+                f"Profiling: repeated timings of the same step differ too much (median {noise:.0%} above the fastest, "
+                f"after {rounds} rounds): something else is using this device, and the time model may be off. "
+                "Profile on a quiet machine, or give more `repeats`.",
+                stacklevel=4,
+            )
         return statistics.median(empty), [statistics.median(column) for column in steps]
 
     def _run_flops(self, repeats: int) -> _Result:
@@ -941,6 +960,12 @@ def _aligned_median(
             )
         columns.append(seconds)
     return [statistics.median(values) for values in zip(*columns, strict=True)] if names else []
+
+
+def _noise(seconds: Sequence[float]) -> float:
+    """How far the median of repeated timings lies above the fastest: other work on the device only adds time."""
+    fastest = min(seconds)
+    return statistics.median(seconds) / fastest - 1.0 if fastest > 0 else 0.0
 
 
 def _suffix_cost(t_dw: Sequence[float], t_dy: Sequence[float], d: int) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
+from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.zoo.data import ImageDataModule
 
 T = TypeVar("T")
@@ -61,6 +63,20 @@ class ConfigError(ValueError):
         count = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
         lines = [f"The configuration has {count}; nothing was run:", *(f"  - {p}" for p in problems)]
         super().__init__("\n".join([*lines, "docs/errors.md says what to do about each."]))
+
+
+def exit_on_config_error(run: Callable[[DictConfig], object], cfg: DictConfig) -> None:
+    """Run a recipe's `run(cfg)` for its command line: a wrong setting ends it with its message and exit status 2.
+
+    That covers the config checked up front (`ConfigError`) and the callback's settings that fail against the
+    model, data or device once `fit` starts (`ElasticConfigError`: an unreachable speedup, say). Anything else
+    is a bug and keeps its stack trace.
+    """
+    try:
+        run(cfg)
+    except (ConfigError, ElasticConfigError) as err:
+        print(err, file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 @dataclass

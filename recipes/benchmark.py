@@ -40,7 +40,7 @@ import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
-from _common import ConfigError, build, set_threads
+from _common import ConfigError, build, exit_on_config_error, set_threads
 from lightning.pytorch.callbacks import BackboneFinetuning
 from omegaconf import DictConfig, OmegaConf
 
@@ -150,10 +150,7 @@ def run_config(cfg: DictConfig, method: Method, seed: int) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     """The command line: a config problem ends the run with its message (exit status 2), not a stack trace."""
     try:
-        run(cfg)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_on_config_error(run, cfg)
     except RunFailed as err:
         print(err, file=sys.stderr)
         raise SystemExit(1) from None

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
-from _common import ConfigError, Problems, build_data_and_module, check_settings, set_threads
+from _common import ConfigError, Problems, build_data_and_module, check_settings, exit_on_config_error, set_threads
 from omegaconf import DictConfig
 from torch import Tensor
 
@@ -39,11 +38,7 @@ AUTOCAST: dict[str, torch.dtype | None] = {
 @hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The command line: a config problem ends the run with its message (exit status 2), not a stack trace."""
-    try:
-        run(cfg)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        raise SystemExit(2) from None
+    exit_on_config_error(run, cfg)
 
 
 def run(cfg: DictConfig) -> TimingProfile:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import hydra
 import lightning as L
-from _common import ConfigError, Parts, build, set_threads
+from _common import Parts, build, exit_on_config_error, set_threads
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -32,11 +31,7 @@ from lightning_elastic import ElasticTensorSelection
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The command line: a config problem ends the run with its message (exit status 2), not a stack trace."""
-    try:
-        run(cfg)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        raise SystemExit(2) from None
+    exit_on_config_error(run, cfg)
 
 
 def run(cfg: DictConfig) -> tuple[dict[str, Any], Parts]:

@@ -80,7 +80,7 @@ def torchvision_model(
             raise FileNotFoundError(
                 f"Pretrained weights for `{name}` are not on this machine: {path} does not exist. Download "
                 f"{weights_enum.url} where there is internet, then pass its path as `weights_path` "
-                f"(Hydra: model.weights_path=/path/to/file.pth), or use pretrained=false."
+                f"(Hydra: model.net.weights_path=/path/to/file.pth), or use pretrained=false."
             )
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     _replace_head(model, name, num_classes)

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 from lightning_elastic import ElasticTensorSelection
+from lightning_elastic.errors import ElasticConfigError
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 
@@ -108,7 +109,7 @@ def test_pins_are_respected() -> None:
 def test_unreachable_speedup_fails_before_training_with_the_largest_reachable() -> None:
     recorder = Recorder()
     with pytest.raises(
-        ValueError, match=r"`speedup` must be at most \d+\.\d\d for this model on this device.*Found: 50"
+        ElasticConfigError, match=r"`speedup` must be at most \d+\.\d\d for this model on this device.*Found: 50"
     ):
         fit([elastic(speedup=50, train_always=["net.0.weight"]), recorder])
     assert recorder.steps == []
@@ -139,7 +140,7 @@ def test_constructor_lists_every_problem_at_once() -> None:
 
 
 def test_patterns_matching_nothing_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"`train_always` patterns must each match .*\['head\.\*'\]"):
+    with pytest.raises(ElasticConfigError, match=r"`train_always` patterns must each match .*\['head\.\*'\]"):
         fit([elastic(train_always=["head.*"])])
 
 
@@ -148,6 +149,22 @@ def test_probe_window_longer_than_the_period_is_refused() -> None:
         ValueError, match=r"`probe_steps` must be fewer than the optimizer steps between two selections"
     ):
         fit([elastic(interval=1, interval_unit="epoch", probe_steps=50)])
+
+
+def test_fast_dev_run_too_short_for_the_schedule_trains_everything() -> None:
+    """fast_dev_run=True (one step) cannot hold a probe window and a selection: the callback steps aside."""
+    callback, recorder = elastic(interval=1, interval_unit="epoch", probe_steps=2), Recorder()
+    fit([callback, recorder], fast_dev_run=True)
+    assert recorder.steps == [0] and all(recorder.trainable[0]) and any(recorder.changed[0])
+    assert callback._history == [] and callback.summary()["selections"] == 0
+
+
+def test_fast_dev_run_long_enough_for_the_schedule_selects() -> None:
+    callback, recorder = elastic(probe_steps=1, interval=3), Recorder()
+    fit([callback, recorder], fast_dev_run=3)
+    # steps 0 and 2 probe, each followed by a selection; step 1 trains the first selection
+    assert [r["step"] for r in callback._history] == [1, 3]
+    assert all(recorder.trainable[0]) and not all(recorder.trainable[1]) and all(recorder.trainable[2])
 
 
 class ManualNet(TinyNet):

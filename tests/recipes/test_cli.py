@@ -88,6 +88,26 @@ def test_config_problems_end_the_command_with_one_message(tmp_path: Path) -> Non
     assert lines[4] == "docs/errors.md says what to do about each."
 
 
+def test_a_speedup_this_device_cannot_reach_ends_the_command_with_its_message(tmp_path: Path) -> None:
+    """Found only once `fit` has profiled the model: still a plain message and exit status 2, before training."""
+    result = run_recipe(
+        "train.py",
+        "experiment=demo",
+        "model=tiny",
+        "dataset.image_size=16",
+        "trainer.limit_train_batches=4",
+        "elastic.probe_steps=2",
+        "elastic.speedup=50",
+        "device.threads=1",
+        "paths.cache_dir=null",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "`speedup` must be at most" in result.stderr and "Found: 50" in result.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def test_profile_command_prints_and_saves_the_timing_table(tmp_path: Path) -> None:
     result = run_recipe(
         "profile_model.py",

@@ -106,4 +106,4 @@ def test_paper_experiments_without_data_or_weights_stop_with_one_message(name: s
     dataset, model = raised.value.problems
     assert dataset.startswith("dataset: ") and str(tmp_path) in dataset and "not found" in dataset
     assert model.startswith(f"model: Pretrained weights for `{cfg.model.net.name}` are not on this machine: ")
-    assert "weights_path" in model and "download.pytorch.org/models/" in model
+    assert "(Hydra: model.net.weights_path=" in model and "download.pytorch.org/models/" in model

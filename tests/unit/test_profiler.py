@@ -111,7 +111,9 @@ def test_chain_decomposition_is_exact_on_a_simulated_clock() -> None:
     def loss_fn() -> Tensor:
         return net(x).sum()
 
-    prof = profile(net, loss_fn, clock=clock, repeats=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # steady timings: no noise warning
+        prof = profile(net, loss_fn, clock=clock, repeats=1)
     assert prof.names == ("0.weight", "1.weight", "2.weight", "3.weight")
     assert prof.t_dw == pytest.approx([c[2] for c in costs])
     # t_dy[i] is the input-gradient work of layer i; nothing below layer 0 needs a gradient.
@@ -122,6 +124,31 @@ def test_chain_decomposition_is_exact_on_a_simulated_clock() -> None:
     for mask in itertools.product([False, True], repeat=4):
         expected = _simulated_step(net, loss_fn, clock, mask, prof.names)
         assert prof.predict(mask) == pytest.approx(expected), mask
+
+
+class DisturbedLayer(FakeLayer):
+    """A layer whose forward pass, at random, often takes 10 simulated seconds more: a busy neighbour."""
+
+    def __init__(self, clock: FakeClock, costs: tuple[float, float, float], busy: float) -> None:
+        super().__init__(clock, costs)
+        self.rng, self.busy = random.Random(0), busy
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.rng.random() < self.busy:
+            self.clock.advance(10.0)
+        return super().forward(x)
+
+
+def test_disturbed_timings_get_more_rounds_then_a_warning() -> None:
+    clock = FakeClock()
+    net = nn.Sequential(
+        DisturbedLayer(clock, (1.0, 2.0, 3.0), busy=0.6),
+        FakeLayer(clock, (0.5, 4.0, 1.0)),
+        FakeLayer(clock, (2.0, 1.0, 5.0)),
+    )
+    x = torch.randn(2, 3)
+    with pytest.warns(UserWarning, match=r"repeated timings of the same step differ too much .* after 6 rounds"):
+        profile(net, lambda: net(x).sum(), clock=clock, repeats=2)
 
 
 def test_skip_connection_is_exact_for_every_deepest_tensor() -> None:

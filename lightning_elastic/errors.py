@@ -1,0 +1,19 @@
+"""The one error type of a setting that is wrong, or that this model, data or device cannot meet."""
+
+from __future__ import annotations
+
+
+class ElasticConfigError(ValueError):
+    """A setting of `ElasticTensorSelection` that is invalid, or that fails against the model, data or device.
+
+    Raised by the constructor, and as `fit` starts (patterns that match nothing, a speedup this device cannot
+    reach, a profile of another model, a strategy it cannot run under). It is a `ValueError`, and its message
+    names the setting, what is allowed and what was given, so a command line can print it without a stack trace.
+
+    Example:
+        >>> try:
+        ...     raise ElasticConfigError("`speedup` must be a finite number > 1. Found: 0.5")
+        ... except ValueError as err:
+        ...     print(err)
+        `speedup` must be a finite number > 1. Found: 0.5
+    """
