@@ -1,15 +1,17 @@
 """Per-tensor importance: the loss drop that each tensor's real optimizer update brings.
 
-For one optimizer step ``w -> w + dw`` the loss changes by the path integral of the gradient along the
-update. Split by tensor and estimated with the trapezoid rule, tensor ``k`` contributes
+For one optimizer step ``w -> w + dw`` tensor ``k`` contributes, to first order,
 
-    I_k = - sum_i (g_i(w) + g_i(w + dw)) / 2 * dw_i        (sum over the elements of tensor k)
+    I_k = - sum_i g_i * dw_i        (sum over the elements of tensor k)
 
-which is exact for a quadratic loss. ``dw`` is whatever the optimizer really did (momentum, Adam moments,
-weight decay, clipping, a skipped AMP step): it is read off the weights, never re-derived. ``g(w)`` is the
-gradient the step consumed and ``g(w + dw)`` the gradient of the next optimizer step; when the next step
-brings none for a tensor (end of the window, or the tensor is frozen then), its before-gradient stands
-alone. The ElasticTrainer reference uses the after-gradient alone. Importance is summed over a window of
+``dw`` is whatever the optimizer really did (momentum, Adam moments, weight decay, clipping, a skipped AMP
+step): it is read off the weights, never re-derived. ``g`` is, by default, ``g(w)``, the gradient the step
+consumed. The trapezoid rule ``(g(w) + g(w + dw)) / 2`` is exact for a quadratic loss when both gradients
+come from one batch, but in training ``g(w + dw)`` is the next optimizer step's gradient, on another batch,
+and that batch's noise makes the ranking worse (docs/importance.md: Spearman 0.59 against 0.99 for the
+before-gradient on one held-out batch of a real fine-tuning run); ``gradient="average"`` keeps it selectable,
+with the before-gradient standing alone where the next step brings none (end of the window, tensor frozen
+then). The ElasticTrainer reference uses the after-gradient alone. Importance is summed over a window of
 consecutive real training steps.
 
 :class:`ImportanceEvaluator` only reads gradients and weights; it keeps one copy of the trained tensors
@@ -33,9 +35,9 @@ GRADIENTS: tuple[str, ...] = get_args(Gradient)
 
 
 class ImportanceEvaluator:
-    """Accumulates ``I_k = -sum (g_before + g_after) / 2 * dw`` per tensor over a window of optimizer steps.
+    """Accumulates ``I_k = -sum g * dw`` per tensor over a window of optimizer steps.
 
-    Call ``before_step()`` once the gradients are final (after backward, unscaling and clipping) and
+    Call ``before_step()`` once the gradients are final (after backward and AMP unscaling) and
     before ``optimizer.step()``, and ``after_step()`` right after it, before the gradients are zeroed.
     The next ``before_step()`` reads the after-gradient of the previous update; ``finish()`` settles the
     last update with its before-gradient alone and frees the weight copies. Tensors whose ``.grad`` is
@@ -48,10 +50,12 @@ class ImportanceEvaluator:
 
     Args:
         params: The tensors to evaluate, in the order of the importance vector (forward order).
-        gradient: Which gradient multiplies the update: ``"average"`` of the before- and after-gradient,
-            the ``"before"``-gradient alone (first-order Taylor at ``w``; no after-gradient is read), or the
-            ``"after"``-gradient alone (the reference). Without an after-gradient the before-gradient
-            stands in.
+        gradient: Which gradient ``g`` multiplies the update: the ``"before"``-gradient, the one the step
+            consumed (first-order Taylor at ``w``; no after-gradient is read), the ``"average"`` of the before-
+            and after-gradient, or the ``"after"``-gradient alone (the ElasticTrainer reference). During
+            training the after-gradient is the next batch's, and its batch noise makes the average rank tensors
+            worse than the before-gradient alone (docs/importance.md measures it), hence the default. Without an
+            after-gradient the before-gradient stands in.
 
     Raises:
         TypeError: If ``params`` is one tensor or holds a non-tensor.
@@ -73,7 +77,7 @@ class ImportanceEvaluator:
         (torch.Size([2]), torch.float64, 3)
     """
 
-    def __init__(self, params: Iterable[Tensor], gradient: Gradient = "average") -> None:
+    def __init__(self, params: Iterable[Tensor], gradient: Gradient = "before") -> None:
         if gradient not in GRADIENTS:
             raise ValueError(f"`gradient` must be one of {GRADIENTS}. Found: {gradient!r}")
         self._params: list[Tensor] = _check_params(params)

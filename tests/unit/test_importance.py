@@ -166,7 +166,7 @@ def test_matches_recorded_updates_and_leaves_training_untouched(name: str) -> No
     data = batches(4)
     model = mlp()
     optimizer = OPTIMIZERS[name](list(model.parameters()))
-    evaluator = ImportanceEvaluator(list(model.parameters()))
+    evaluator = ImportanceEvaluator(list(model.parameters()), gradient="average")
     records = train(model, optimizer, data, evaluator)
     evaluator.finish()
 
@@ -201,7 +201,7 @@ def test_frozen_tensors_are_skipped_and_fall_back_to_the_before_gradient() -> No
     first, head = model[0].weight, model[6].bias
     assert isinstance(first, Tensor) and isinstance(head, Tensor)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    evaluator = ImportanceEvaluator(list(model.parameters()))
+    evaluator = ImportanceEvaluator(list(model.parameters()), gradient="average")
     # `head` is frozen throughout; `first` trains at steps 0, 2, 3 and is frozen at step 1, so its
     # step-0 update has no after-gradient.
     records = train(
@@ -234,7 +234,7 @@ def test_frozen_tensor_holds_no_copy() -> None:
     model = mlp()
     model[0].weight.requires_grad_(False)
     model(batches(1)[0][0]).sum().backward()
-    evaluator = ImportanceEvaluator(list(model.parameters()))
+    evaluator = ImportanceEvaluator(list(model.parameters()), gradient="average")
     evaluator.before_step()
     assert sorted(evaluator._buffers) == list(range(1, 8))
     evaluator.finish()
@@ -246,7 +246,7 @@ def test_skipped_step_contributes_nothing_and_overflow_falls_back() -> None:
     model = mlp()
     params = list(model.parameters())
     optimizer = torch.optim.Adam(params, lr=0.01)
-    evaluator = ImportanceEvaluator(params)
+    evaluator = ImportanceEvaluator(params, gradient="average")
     records: list[Record] = []
     for step, (x, y) in enumerate(batches(3)):
         optimizer.zero_grad()
@@ -276,7 +276,7 @@ def test_skipped_step_contributes_nothing_and_overflow_falls_back() -> None:
 def test_low_precision_parameters() -> None:
     model = mlp(dtype=torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    evaluator = ImportanceEvaluator(list(model.parameters()))
+    evaluator = ImportanceEvaluator(list(model.parameters()), gradient="average")
     records = train(model, optimizer, batches(3, dtype=torch.bfloat16), evaluator)
     evaluator.finish()
     # bf16 products are exact in float32; only the float32 summation differs from float64.
@@ -326,7 +326,7 @@ def test_ranking_matches_brute_force_loss_drop(name: str, lr: float, gradient: G
 def test_state_dict_round_trip() -> None:
     model = mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    evaluator = ImportanceEvaluator(list(model.parameters()))
+    evaluator = ImportanceEvaluator(list(model.parameters()), gradient="average")
     train(model, optimizer, batches(3), evaluator)
     # Mid-window, the latest update counts with its before-gradient, as after finish().
     state = json.loads(json.dumps(evaluator.state_dict()))
@@ -334,7 +334,7 @@ def test_state_dict_round_trip() -> None:
     evaluator.finish()
     assert state["importance"] == evaluator.importance.tolist()
 
-    restored = ImportanceEvaluator(list(model.parameters()))
+    restored = ImportanceEvaluator(list(model.parameters()), gradient="average")
     restored.load_state_dict(state)
     assert restored.importance.tolist() == state["importance"]
     assert restored.steps == 3
@@ -349,7 +349,7 @@ def test_state_dict_round_trip() -> None:
 def test_reset_starts_a_new_window() -> None:
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    evaluator = ImportanceEvaluator(list(model.parameters()))
+    evaluator = ImportanceEvaluator(list(model.parameters()), gradient="average")
     train(model, optimizer, batches(2), evaluator)
     evaluator.reset()
     assert evaluator.steps == 0
