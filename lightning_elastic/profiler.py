@@ -32,6 +32,7 @@ How ``profile(method="measured")`` measures, on the device the model is on:
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import itertools
 import json
@@ -863,15 +864,19 @@ class _Structure:
         full_seconds = _aligned_median(names, full, lambda p: ([n.name() for n in p.nodes], p.node_seconds))
         data_nodes = [n for n in self.record.nodes if self.data[n]]
         data_names = [n.name() for n in data_nodes]
+        full_data = [t for n, t in zip(self.record.nodes, full_seconds, strict=True) if self.data[n]]
         try:
             dx_list = _aligned_median(data_names, dx, lambda p: ([n.name() for n in p.nodes], p.node_seconds))
-        except _StructureMismatch as err:
-            warnings.warn(
-                f"The graph recorded with frozen parameters differs from the full one ({err}); "
-                "weight-gradient work inside shared ops is charged as input-gradient work.",
-                stacklevel=4,
-            )
-            dx_list = [t for n, t in zip(self.record.nodes, full_seconds, strict=True) if self.data[n]]
+        except _StructureMismatch:
+            # Some ops take another route when their parameters are frozen (matmul folds differently, a
+            # parameter's expand disappears): line the two graphs up where they agree.
+            dx_list = [
+                statistics.median(column)
+                for column in zip(
+                    *(_matched([n.name() for n in p.nodes], p.node_seconds, data_names, full_data) for p in dx),
+                    strict=True,
+                )
+            ]
         dx_seconds = dict(zip(data_nodes, dx_list, strict=True))
         raw = _RawCosts(dw=[0.0] * self.n, by_level=[0.0] * (self.n + 1))
         for node, seconds in zip(self.record.nodes, full_seconds, strict=True):
@@ -960,6 +965,32 @@ def _aligned_median(
             )
         columns.append(seconds)
     return [statistics.median(values) for values in zip(*columns, strict=True)] if names else []
+
+
+def _matched(
+    got_names: Sequence[str], got_seconds: Sequence[float], names: Sequence[str], reference: Sequence[float]
+) -> list[float]:
+    """The seconds of a pass over a graph that differs from ``names``, put on the positions of ``names``.
+
+    Runs of nodes that the two sequences share take their own times; a run of ``names`` that the pass did
+    differently shares the time the pass spent on its replacement, in proportion to ``reference`` (times of
+    the same positions measured elsewhere); work the pass did with no counterpart goes to the position before.
+    """
+    seconds = [0.0] * len(names)
+    if not names:
+        return seconds
+    matcher = difflib.SequenceMatcher(None, list(names), list(got_names), autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            seconds[i1:i2] = got_seconds[j1:j2]
+        elif i1 == i2:
+            seconds[max(i1 - 1, 0)] += sum(got_seconds[j1:j2])
+        else:
+            spent, weights = sum(got_seconds[j1:j2]), reference[i1:i2]
+            total = sum(weights)
+            for i, weight in zip(range(i1, i2), weights, strict=True):
+                seconds[i] += spent * (weight / total if total > 0 else 1 / (i2 - i1))
+    return seconds
 
 
 def _noise(seconds: Sequence[float]) -> float:
