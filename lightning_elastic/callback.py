@@ -180,7 +180,6 @@ class ElasticTensorSelection(Callback):
         self._history: list[dict[str, Any]] = []
         self._totals = {"profile_seconds": 0.0, "probe_seconds": 0.0, "select_seconds": 0.0}
         self._restored: dict[str, Any] | None = None
-        self._active = True  # False under a `fast_dev_run` too short for the schedule
 
     # ------------------------------------------------------------------ checks that need the trainer
 
@@ -206,7 +205,7 @@ class ElasticTensorSelection(Callback):
         except ElasticConfigError as err:
             if not getattr(trainer, "fast_dev_run", False):  # set by the Trainer; not in its type stubs
                 raise
-            self._active = False  # a smoke test too short for a probe window and a selection
+            self._schedule = None  # a smoke test too short for a probe window and a selection: stay off
             rank_zero_info(f"ElasticTensorSelection: off under `fast_dev_run`, every tensor trains ({err})")
             return
         started = time.perf_counter()
@@ -300,9 +299,8 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active:
+        if self._schedule is None:  # off for this fit
             return
-        assert self._schedule is not None
         if self._pending_selection:
             self._select_and_apply(trainer, pl_module)
         elif self._schedule.opens_at_epoch_start(trainer.current_epoch) and self._probe_end is None:
@@ -313,9 +311,9 @@ class ElasticTensorSelection(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active:
+        if self._schedule is None:
             return
-        assert self._schedule is not None and self._step_timer is not None
+        assert self._step_timer is not None
         step = trainer.global_step
         self._step_at_batch_start = step
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0
@@ -327,7 +325,7 @@ class ElasticTensorSelection(Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not self._active:
+        if self._schedule is None:
             return
         if self._probe_end is None:
             return
@@ -341,7 +339,7 @@ class ElasticTensorSelection(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active:
+        if self._schedule is None:
             return
         assert self._step_timer is not None and self._evaluator is not None
         assert self._overhead_timer is not None and self._optimizer_timer is not None
@@ -364,7 +362,6 @@ class ElasticTensorSelection(Callback):
         self._costs.optimizer.extend(self._optimizer_timer.pop())
         self._costs.probe_overhead.append(sum(self._overhead_timer.pop()))
         if trainer.global_step >= self._probe_end:
-            assert self._schedule is not None
             self._evaluator.finish()
             self._probe_end = None
             if self._schedule.selects_at_epoch_start(trainer.global_step):
@@ -514,7 +511,7 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._active:
+        if self._schedule is None:
             return
         self._log_interval_timing(trainer)
         self._costs.selected_steps = []

@@ -159,6 +159,15 @@ def test_fast_dev_run_too_short_for_the_schedule_trains_everything() -> None:
     assert callback._history == [] and callback.summary()["selections"] == 0
 
 
+def test_a_callback_off_in_a_fast_dev_run_selects_in_the_next_fit() -> None:
+    callback = elastic(interval=1, interval_unit="epoch", probe_steps=2)
+    fit([callback], fast_dev_run=True)
+    recorder = Recorder()
+    fit([callback, recorder], max_epochs=2)
+    assert [r["epoch"] for r in callback._history] == [0, 1]
+    assert any(not all(t) for t in recorder.trainable)  # selected steps between the probe windows
+
+
 def test_fast_dev_run_long_enough_for_the_schedule_selects() -> None:
     callback, recorder = elastic(probe_steps=1, interval=3), Recorder()
     fit([callback, recorder], fast_dev_run=3)
