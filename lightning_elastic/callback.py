@@ -1,98 +1,91 @@
-"""`ElasticTensorSelection`: train, at every moment, only the tensors that matter most under a time budget.
+"""`ElasticTensorSelection`: a fit `speedup` times faster, training at every moment only the tensors that matter most.
 
 The callback is the method's table of contents; each step lives in its own module:
 
-1. profile    (`profiler.profile`)          per-tensor backward times of this model on this device, once;
-2. probe      (`importance.ImportanceEvaluator`) importance from a window of ordinary full training steps;
-3. select     (`budget.step_time_model`, `selector.select`) the exact DP under `full step / speedup`;
-4. apply      (`freezing.apply_mask`)        `requires_grad` on or off, so autograd does less work;
-5. inspect    (`inspection`)                 what was trained when, and what it cost, to every logger.
+1. profile  (`profiling.profile`)              per-tensor backward times of this model on this device, cached;
+2. plan     (`planner.WallClockPlan`)         the wall-clock contract: what every step may cost from here on;
+3. probe    (`importance.ImportanceEvaluator`) importance from real updates: of every tensor in probe windows,
+                                                of the trained ones at every other step;
+4. select   (`selector.decide`)               the exact DP under the plan's step target and `time_model`;
+5. apply    (`freezing.apply_mask`)           `requires_grad` on or off, so autograd does less work;
+6. inspect  (`reporting`, `inspection`)       what was trained when, and what it cost, to every logger.
 
 `schedule.Schedule` says when probe windows open and selections happen.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import numbers
 import os
 import time
-from collections.abc import Iterator, Sequence, Sized
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
+import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
-from torch.utils.data import DataLoader
-from torchmetrics import Metric
+from numpy import bool_ as np_bool
+from torch import nn
 from typing_extensions import override
 
-from lightning_elastic.budget import StepTimeModel, step_time_model
-from lightning_elastic.distributed import SelectiveAllReduce, install_selective_allreduce, prepare_strategy
+from lightning_elastic import reporting
+from lightning_elastic.distributed import install_selective_allreduce, prepare_strategy
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy, apply_mask, match_patterns
-from lightning_elastic.importance import ImportanceEvaluator
-from lightning_elastic.inspection import profile_table, selection_heatmap
-from lightning_elastic.profiler import TimingProfile, profile
+from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy
+from lightning_elastic.inspection import profile_table, selection_map
+from lightning_elastic.planner import WallClockPlan, auto_probe_plan, reachable_speedup
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.profiling.harness import measure_profile, stale_reason
+from lightning_elastic.profiling.profile import load_given_profile, resolve_cache_dir
+from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
-from lightning_elastic.selector import select
-from lightning_elastic.timing import StepTimer
+from lightning_elastic.selector import decide
+from lightning_elastic.session import FitSession
+from lightning_elastic.time_model import StepTimeModel
 
 TimeModel = Literal["measured", "flops"]
 TIME_MODELS: tuple[str, ...] = ("measured", "flops")
 INTERVAL_UNITS: tuple[str, ...] = ("epoch", "step")
-STATE_VERSION = 1
-
-
-@dataclass
-class _Costs:
-    """Seconds measured in the current probe window and since the last selection."""
-
-    probe_steps: list[float] = field(default_factory=list)
-    probe_overhead: list[float] = field(default_factory=list)
-    optimizer: list[float] = field(default_factory=list)
-    selected_steps: list[float] = field(default_factory=list)
+STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
 
 
 class ElasticTensorSelection(Callback):
-    """Trains, at every moment, only the parameter tensors worth their time under a per-step time budget.
+    """Makes the training part of a fit `speedup` times faster by training only the tensors worth their time.
 
-    Before each selection, `probe_steps` ordinary training steps with every candidate tensor trainable measure
-    each tensor's importance (the loss drop its real updates bring). An exact dynamic program then picks the
-    tensors of greatest total importance whose training step fits in `1 / speedup` of a full step, under a time
-    model profiled on this device; the others get `requires_grad=False`, so autograd skips their weight
+    The promise is end to end: every training step, probe windows, profiling and selection included, take
+    `1 / speedup` of the same fit without the callback (validation is the same for both and left out). A plan
+    (`planner.WallClockPlan`) gives each interval what is left of that budget, and measured step times feed back
+    into it. Within a step's share, an exact dynamic program picks the tensors of greatest total importance (the
+    loss drop their real updates bring); the others get `requires_grad=False`, so autograd skips their weight
     gradients and stops at the deepest selected tensor. Any tensor may leave or rejoin at each selection.
+    A speedup this fit cannot reach is refused before training, with the reachable figure.
 
     Args:
-        speedup: target per-step speedup over training every tensor; > 1.
+        speedup: how many times faster the training part of the fit should be; > 1.
         interval: re-select every `interval` epochs or optimizer steps (see `interval_unit`).
-        interval_unit: "epoch" (re-select as an epoch starts, the probe window ending the epoch before) or "step".
-        probe_steps: full training steps that measure importance before each selection.
+        interval_unit: "epoch" (re-select as an epoch starts) or "step".
+        probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (3%) of
+            the fit; or the steps of every window, each full training steps that measure every tensor's importance.
         time_model: "measured" (per-tensor times profiled on this device) or "flops" (analytic fallback).
-        train_always: shell-style patterns of parameter names (as `LightningModule.named_parameters()` gives
-            them) that are always trained, e.g. a new classifier head: `["model.fc.*"]`.
-        train_never: patterns of parameter names that are never trained. Parameters that do not require grad when
-            training starts are never trained either.
-        bn_policy: BatchNorm layers whose tensors are all frozen: "update" keeps updating their running
-            statistics in training mode (PyTorch's default behaviour); "freeze" puts them in eval mode, so the
-            frozen part of the network is a fixed function.
+        train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
+        train_never: patterns of parameter names never trained. Parameters that do not require grad when training
+            starts are never trained either, and get their flags back when the fit ends.
+        bn_policy: BatchNorm layers whose tensors are all frozen: "update" keeps updating their running statistics
+            (PyTorch's default behaviour); "freeze" puts them in eval mode, so the frozen part is a fixed function.
         resolution: time quantisation of the dynamic program (units of the budget).
-        cache_dir: directory where timing profiles are cached across runs; None profiles every run.
-        profile: a timing profile to use instead of profiling when training starts: a `TimingProfile`, or the
-            path of one saved as JSON (`recipes/profile_model.py` writes them). Its tensor names must be the
-            module's parameter names.
-        calibrate: correct the profile with the optimizer and loop times measured in each probe window, so that
-            the budget is a fraction of the real step. False uses the profile alone: decisions then depend on
-            importance only, the same in every run (useful to compare runs).
-        log_images: write the selection heatmap to TensorBoard loggers.
+        cache_dir: where timing profiles are cached across runs; None (default) is the per-user cache
+            (`$LIGHTNING_ELASTIC_CACHE_DIR`, else `$XDG_CACHE_HOME/lightning-elastic`, else
+            `~/.cache/lightning-elastic`); False profiles every run.
+        profile: a timing profile to use instead of profiling: a `TimingProfile`, or the path of one saved as JSON.
+        calibrate: plan the wall clock from measured step times (the contract). False gives every selected step
+            `1 / speedup` of the profile's full step, with no feedback: decisions then depend on importance only,
+            the same in every run (for comparing runs), and the whole-fit speedup is not kept.
+        log_images: write the selection map to TensorBoard loggers.
+        clock: seconds of a monotonic clock for CPU timing (CUDA steps are timed with events); injectable for tests.
 
     Example:
         >>> import lightning as L
@@ -104,31 +97,27 @@ class ElasticTensorSelection(Callback):
         speedup: float = 2.0,
         interval: int = 1,
         interval_unit: IntervalUnit = "epoch",
-        probe_steps: int = 10,
+        probe_steps: int | Literal["auto"] = "auto",
         time_model: TimeModel = "measured",
         train_always: Sequence[str] = (),
         train_never: Sequence[str] = (),
         bn_policy: BnPolicy = "update",
         resolution: int = 1000,
-        cache_dir: str | None = None,
+        cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
         profile: TimingProfile | str | os.PathLike[str] | None = None,
         calibrate: bool = True,
         log_images: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         problems = []
-        if (
-            isinstance(speedup, bool)
-            or not isinstance(speedup, (int, float))
-            or not math.isfinite(speedup)
-            or speedup <= 1
-        ):
+        if isinstance(speedup, bool) or not isinstance(speedup, numbers.Real) or not 1 < float(speedup) < math.inf:
             problems.append(f"`speedup` must be a finite number > 1. Found: {speedup!r}")
         if not _positive_int(interval):
             problems.append(f"`interval` must be a positive int. Found: {interval!r}")
         if interval_unit not in INTERVAL_UNITS:
             problems.append(f"`interval_unit` must be one of {INTERVAL_UNITS}. Found: {interval_unit!r}")
-        if not _positive_int(probe_steps):
-            problems.append(f"`probe_steps` must be a positive int. Found: {probe_steps!r}")
+        if probe_steps != "auto" and not _positive_int(probe_steps):
+            problems.append(f"`probe_steps` must be a positive int or 'auto'. Found: {probe_steps!r}")
         if time_model not in TIME_MODELS:
             problems.append(f"`time_model` must be one of {TIME_MODELS}. Found: {time_model!r}")
         for name, patterns in (("train_always", train_always), ("train_never", train_never)):
@@ -138,48 +127,71 @@ class ElasticTensorSelection(Callback):
             problems.append(f"`bn_policy` must be one of {BN_POLICIES}. Found: {bn_policy!r}")
         if not _positive_int(resolution):
             problems.append(f"`resolution` must be a positive int. Found: {resolution!r}")
+        if cache_dir not in (None, False) and not isinstance(cache_dir, (str, os.PathLike)):
+            problems.append(
+                f"`cache_dir` must be a directory path, None (the user cache) or False. Found: {cache_dir!r}"
+            )
         if profile is not None and not isinstance(profile, (TimingProfile, str, os.PathLike)):
             problems.append(
                 f"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: {profile!r}"
             )
+        for name, flag in (("calibrate", calibrate), ("log_images", log_images)):
+            if not isinstance(flag, (bool, np_bool)):
+                problems.append(f"`{name}` must be True or False. Found: {flag!r}")
+        if not callable(clock):
+            problems.append(f"`clock` must be a callable returning seconds. Found: {clock!r}")
         if problems:
             raise ElasticConfigError("; ".join(problems))
         self._speedup = float(speedup)
-        self._interval = interval
+        self._interval = int(interval)
         self._interval_unit: IntervalUnit = interval_unit
         self._probe_steps = probe_steps
         self._time_model: TimeModel = time_model
         self._train_always = tuple(train_always)
         self._train_never = tuple(train_never)
         self._bn_policy: BnPolicy = bn_policy
-        self._resolution = resolution
+        self._resolution = int(resolution)
         self._cache_dir = cache_dir
         self._given_profile = profile
-        self._calibrate = calibrate
-        self._log_images = log_images
-
-        # Runtime state, built in `on_train_start`.
-        self._profile: TimingProfile | None = None
-        self._params: list[nn.Parameter] = []
-        self._required: tuple[bool, ...] = ()
-        self._forbidden: tuple[bool, ...] = ()
-        self._schedule: Schedule | None = None
-        self._evaluator: ImportanceEvaluator | None = None
-        self._step_timer: StepTimer | None = None
-        self._optimizer_timer: StepTimer | None = None
-        self._overhead_timer: StepTimer | None = None
-        self._bn_frozen: list[str] = []
-        self._allreduce: SelectiveAllReduce | None = None
-        self._costs = _Costs()
-        self._step_at_batch_start = 0
-        self._step_seconds = 0.0
-        # Checkpointed state.
-        self._mask: tuple[bool, ...] | None = None
-        self._probe_end: int | None = None
-        self._pending_selection = False
-        self._history: list[dict[str, Any]] = []
-        self._totals = {"profile_seconds": 0.0, "probe_seconds": 0.0, "select_seconds": 0.0}
+        self._calibrate = bool(calibrate)
+        self._log_images = bool(log_images)
+        self._clock = clock
+        self._profile: TimingProfile | None = None  # carries from fit to fit on purpose (same model: no re-profiling)
+        self._fit: FitSession | None = None
         self._restored: dict[str, Any] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(speedup=self._speedup, interval=self._interval, unit=self._interval_unit)
+
+    @property
+    def timing_profile(self) -> TimingProfile | None:
+        """The timing profile in use (None before the first fit starts)."""
+        return self._profile
+
+    @property
+    def history(self) -> tuple[SelectionRecord, ...]:
+        """Every selection of the current (or last) fit, oldest first."""
+        return tuple(self._fit.history) if self._fit else ()
+
+    def summary(self) -> dict[str, float]:
+        """Figures of the fit so far: whole-fit and per-step speedup, selected fraction, the method's own seconds."""
+        return self.report().figures()
+
+    def report(self) -> reporting.FitSummary:
+        """The fit so far against full fine-tuning, where the callback's time went, and what was trained most."""
+        fit, profile = self._fit, self._profile
+        if fit is None or profile is None:
+            return reporting.fit_summary((), None, {}, (), (), self._speedup)
+        return reporting.fit_summary(fit.history, fit.plan, fit.totals, profile.names, profile.numel, self._speedup)
+
+    def selection_map(self) -> np.ndarray | None:
+        """The selection map of the current (or last) fit as an RGB image (H, W, 3); None before any selection."""
+        fit, profile = self._fit, self._profile
+        if fit is None or profile is None or not fit.history:
+            return None
+        pins = (fit.required, fit.forbidden)
+        return selection_map(fit.history, profile.names, profile.numel, *pins, axis=self._interval_unit)
 
     # ------------------------------------------------------------------ checks that need the trainer
 
@@ -187,6 +199,13 @@ class ElasticTensorSelection(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        lazy = [n for n, p in pl_module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise ElasticConfigError(
+                "`ElasticTensorSelection` profiles every parameter before training, so lazy modules must be "
+                "materialised first (run one batch through the model, e.g. in `setup`). Found uninitialised: "
+                f"{lazy[:5]}"
+            )
         if not pl_module.automatic_optimization:
             raise ElasticConfigError(
                 "`ElasticTensorSelection` needs automatic optimization (it measures importance around each "
@@ -196,483 +215,374 @@ class ElasticTensorSelection(Callback):
         if not any(p.requires_grad for p in pl_module.parameters()):
             raise ElasticConfigError("`ElasticTensorSelection` needs a model with trainable parameters. Found: none")
 
-    # ------------------------------------------------------------------ 1. profile, once
+    # ------------------------------------------------------------------ 1. profile and 2. plan, as training starts
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        try:
-            self._schedule = self._make_schedule(trainer)
-        except ElasticConfigError as err:
-            if not getattr(trainer, "fast_dev_run", False):  # set by the Trainer; not in its type stubs
-                raise
-            self._schedule = None  # a smoke test too short for a probe window and a selection: stay off
-            rank_zero_info(f"ElasticTensorSelection: off under `fast_dev_run`, every tensor trains ({err})")
+        self._fit = None  # each fit starts clean
+        schedule, total_steps = self._make_schedule(trainer)
+        if schedule is None:
             return
-        started = time.perf_counter()
-        self._profile = (
-            self._restored_profile(pl_module)
-            or _load_profile(self._given_profile)
-            or self._measure_profile(trainer, pl_module)
-        )
-        self._totals["profile_seconds"] += time.perf_counter() - started
-        self._profile = _same_on_every_rank(trainer, self._profile)
-        named = dict(pl_module.named_parameters())
-        missing = [n for n in self._profile.names if n not in named]
-        if missing:
-            raise ElasticConfigError(
-                f"`profile` must describe this module's parameters (names as `named_parameters()` gives them). "
-                f"Found names the module does not have: {missing[:5]}"
-            )
-        self._params = [named[name] for name in self._profile.names]
-        user_frozen = tuple(not p.requires_grad for p in self._params)
-        self._required = match_patterns(self._profile.names, self._train_always, "train_always")
-        never = match_patterns(self._profile.names, self._train_never, "train_never")
-        self._forbidden = tuple(a or b for a, b in zip(never, user_frozen, strict=True))
-        clash = [n for n, r, f in zip(self._profile.names, self._required, self._forbidden, strict=True) if r and f]
-        if clash:
-            raise ElasticConfigError(
-                "`train_always` must not name tensors that `train_never` names or that do not require grad. "
-                f"Found: {clash}"
-            )
-        if all(self._forbidden):
-            raise ElasticConfigError(
-                "`train_never` must leave at least one trainable tensor. Found: every tensor excluded"
-            )
-        self._check_reachable(step_time_model(self._profile))
-        self._evaluator = ImportanceEvaluator(self._params)
-        device = pl_module.device
-        self._step_timer, self._optimizer_timer, self._overhead_timer = (StepTimer(device) for _ in range(3))
-        self._restore_runtime_state()
-        self._allreduce = install_selective_allreduce(trainer.strategy)
+        started = self._clock()
+        self._profile = self._current_profile(trainer, pl_module)
+        profile_seconds = self._clock() - started
+        pins = (self._train_always, self._train_never)
+        fit = FitSession.start(trainer, pl_module, self._profile, schedule, *pins, self._bn_policy, self._clock)
+        fit.plan = WallClockPlan(self._speedup, total_steps, full_step=self._profile.t_full)
+        fit.plan.spend_overhead(profile_seconds)
+        fit.totals["profile_seconds"] += profile_seconds
+        self._fit = fit
+        self._check_reachable(fit, profile_seconds)
+        fit.restore(self._restored)
+        self._restored = None
+        fit.allreduce = install_selective_allreduce(trainer.strategy)
         rank_zero_info(
-            f"ElasticTensorSelection: {len(self._params)} tensors profiled on {self._profile.device} "
-            f"(full forward+backward {self._profile.t_full * 1e3:.1f} ms, forward {self._profile.t_fw * 1e3:.1f} ms); "
-            f"target speedup {self._speedup:g}, {self._schedule.probe_steps} probe steps every "
+            f"ElasticTensorSelection: {len(fit.params)} tensors profiled on {self._profile.device} (full "
+            f"forward+backward {self._profile.t_full * 1e3:.1f} ms, forward {self._profile.t_fw * 1e3:.1f} ms); target "
+            f"speedup {self._speedup:g} for the fit's {_steps(total_steps)}; {schedule.probe_steps} probe steps "
+            f"before the first selection and every {schedule.probe_every} of the selections every "
             f"{self._interval} {self._interval_unit}(s)"
         )
-        self._log_profile(trainer)
+        for writer in reporting.tensorboard_writers(trainer):
+            writer.add_text("elastic/profile", profile_table(self._profile), trainer.global_step)
+            writer.add_custom_scalars(reporting.CHARTS)
 
-    def _measure_profile(self, trainer: L.Trainer, pl_module: L.LightningModule) -> TimingProfile:
-        batch = _first_batch(trainer)
-        with _muted(pl_module), _block_parallel_sync_behavior(trainer.strategy, block=True):
-
-            def compute_loss() -> Tensor:
-                with trainer.precision_plugin.train_step_context():
-                    return _loss_of(pl_module.training_step(batch, 0))
-
-            return profile(pl_module, compute_loss, method=self._time_model, cache_dir=self._cache_dir)
-
-    def _restored_profile(self, pl_module: L.LightningModule) -> TimingProfile | None:
-        if self._restored is None or self._restored.get("profile") is None:
-            return None
-        restored = TimingProfile.from_dict(self._restored["profile"])
-        names = {n for n, p in pl_module.named_parameters()}
-        if not restored.device.startswith(pl_module.device.type) or not set(restored.names) <= names:
-            rank_zero_warn(
-                "ElasticTensorSelection: the checkpoint's profile is for another device or model; re-profiling"
+    def _current_profile(self, trainer: L.Trainer, pl_module: L.LightningModule) -> TimingProfile:
+        """The given profile; else the checkpoint's or the last fit's, if they describe this module; else measured."""
+        given = load_given_profile(self._given_profile)
+        if given is not None:
+            return given
+        restored = self._restored.get("profile") if self._restored else None
+        for source, candidate in (
+            ("checkpoint's", TimingProfile.from_dict(restored) if restored else None),
+            ("previous fit's", self._profile),
+        ):
+            if candidate is None:
+                continue
+            reason = stale_reason(trainer, pl_module, candidate)
+            if reason is None:
+                return candidate
+            rank_zero_info(
+                f"ElasticTensorSelection: the {source} timing profile does not describe this model ({reason}); "
+                "profiling again."
             )
-            return None
-        return restored
+        count = sum(p.requires_grad for p in pl_module.parameters())
+        rank_zero_info(
+            f"ElasticTensorSelection: profiling {count} tensors on the first batch (about 20 training steps; "
+            "a cached profile of this model on this device is used instead when there is one)"
+        )
+        return measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir))
 
-    def _check_reachable(self, model: StepTimeModel, full: float | None = None) -> None:
-        reachable = model.max_speedup(self._required, self._forbidden, full)
+    def _make_schedule(self, trainer: L.Trainer) -> tuple[Schedule | None, int | None]:
+        lengths, total = _epoch_lengths(trainer)
+        shape = Schedule(self._interval, self._interval_unit, 0, lengths, 1, total or math.inf)
+        period = shape.period
+        if self._probe_steps == "auto":
+            selections = None if total is None or math.isinf(period) else 1 + shape.selections_until(total - 1)
+            probes = auto_probe_plan(total, selections, self._speedup)
+            steps = min(probes.steps, int(period) - 1) if math.isfinite(period) else probes.steps
+            every = probes.every
+        else:
+            steps, every = int(self._probe_steps), 1
+        if period <= steps or steps < 1:
+            message = (
+                f"`probe_steps` must be fewer than the optimizer steps between two selections ({period:g} = "
+                f"`interval` {self._interval} x {'steps per epoch' if self._interval_unit == 'epoch' else '1 step'}). "
+                f"Found: {self._probe_steps}"
+            )
+            if not getattr(trainer, "fast_dev_run", False):  # set by the Trainer; not in its type stubs
+                raise ElasticConfigError(message)
+            rank_zero_info(f"ElasticTensorSelection: off under `fast_dev_run`, every tensor trains ({message})")
+            return None, total
+        schedule = replace(shape, probe_steps=steps, probe_every=every)
+        if schedule.first_window_end != steps:
+            rank_zero_warn(
+                f"ElasticTensorSelection: `probe_steps` {steps} leave the first selection no step to train before the "
+                f"next window opens ({period:g} optimizer steps between selections), so the first window runs on "
+                f"until step {schedule.first_window_end} and the first selection comes there. Fewer than "
+                f"{period / 2:g} `probe_steps` select earlier."
+            )
+        return schedule, total
+
+    def _check_reachable(self, fit: FitSession, profile_seconds: float) -> None:
+        """Refuse, before any step, a speedup that the cheapest selection at every step could not deliver.
+
+        What profiling cost this run counts in the plan but is paid once (the profile is cached): a speedup that only
+        it puts out of reach is warned about, with the figure of this run and of the next.
+        """
+        assert self._profile is not None and fit.plan is not None
+        model = StepTimeModel.from_profile(self._profile)
+        floor = model.cheapest(fit.required, fit.forbidden) / model.full
+        total = fit.plan.total_steps
+        if total is None or not self._calibrate:
+            reachable, sunk, scope, probes = 1.0 / floor, 1.0 / floor, "(per step)", 0
+        else:
+            probes = fit.schedule.probe_steps_between(0, total)
+            sunk_steps = profile_seconds / self._profile.t_full
+            reachable = reachable_speedup(total, probes, 0.0, floor)
+            sunk = reachable_speedup(total, probes, sunk_steps, floor)
+            scope = f"in a fit of {total} steps with {probes} probe steps at full cost"
         if reachable < self._speedup:
             raise ElasticConfigError(
-                f"`speedup` must be at most {reachable:.2f} for this model on this device: the forward pass and "
-                f"the parts of a step that every selection pays (at least the `train_always` tensors, or one "
-                f"tensor) take {1 / reachable:.0%} of a full step. Found: {self._speedup:g}"
+                f"`speedup` must be at most {_at_most(reachable)} for this model on this device "
+                f"{scope}: the forward pass and the parts of a step that every selection pays (at least the "
+                f"`train_always` tensors, or one tensor) take {floor:.0%} of a full step. Train fewer tensors always, "
+                f"use fewer `probe_steps`, a longer fit, or a lower speedup. Found: {self._speedup!r}"
+            )
+        if sunk < self._speedup:
+            rank_zero_warn(
+                f"ElasticTensorSelection: profiling took {profile_seconds:.1f} s ({profile_seconds / model.full:.0f} "
+                f"full steps) of this fit's budget, so this fit reaches at most {_at_most(sunk)}x of the `speedup` "
+                f"{self._speedup!r} asked. The profile is cached: later fits on this device reach "
+                f"{_at_most(reachable)}x."
             )
 
-    def _make_schedule(self, trainer: L.Trainer) -> Schedule:
-        batches = trainer.num_training_batches
-        steps_per_epoch = math.ceil(batches / trainer.accumulate_grad_batches) if math.isfinite(batches) else math.inf
-        schedule = Schedule(self._interval, self._interval_unit, self._probe_steps, steps_per_epoch)
-        if schedule.period <= self._probe_steps:
-            raise ElasticConfigError(
-                f"`probe_steps` must be fewer than the optimizer steps between two selections ({schedule.period:g} "
-                f"= `interval` {self._interval} x {'steps per epoch' if self._interval_unit == 'epoch' else '1 step'}"
-                f"). Found: {self._probe_steps}"
-            )
-        return schedule
-
-    # ------------------------------------------------------------------ 2. probe: open windows, measure importance
+    # ------------------------------------------------------------------ 3. probe: windows, and importance at every step
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._schedule is None:  # off for this fit
+        if (fit := self._fit) is None:
             return
-        if self._pending_selection:
+        fit.check_trainable()
+        fit.step_timer.start()
+        step = trainer.global_step
+        if fit.pending_selection or (self._interval_unit == "epoch" and fit.schedule.selects_at(step)):
             self._select_and_apply(trainer, pl_module)
-        elif self._schedule.opens_at_epoch_start(trainer.current_epoch) and self._probe_end is None:
-            self._open_probe(trainer, trainer.global_step + self._probe_steps)
-        self._bn_frozen = apply_bn_policy(pl_module, self._bn_policy, self._bn_frozen)
+        elif fit.schedule.opens_at_epoch_start(trainer.current_epoch) and fit.probe_end is None:
+            fit.open_probe(trainer, step + fit.schedule.probe_steps)
+        fit.bn_frozen = apply_bn_policy(pl_module, self._bn_policy, fit.bn_frozen)
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._schedule is None:
+        if (fit := self._fit) is None:
             return
-        assert self._step_timer is not None
-        step = trainer.global_step
-        self._step_at_batch_start = step
+        fit.check_trainable()
+        fit.step_at_batch_start = step = trainer.global_step
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0
-        if first_of_step and self._probe_end is None and (end := self._schedule.window_end(step)) is not None:
-            self._open_probe(trainer, end)
-        self._step_timer.start()
+        if first_of_step and fit.probe_end is None and (end := fit.schedule.window_end(step)) is not None:
+            fit.open_probe(trainer, end)
+        self._show_progress(pl_module)
 
     @override
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._schedule is None:
-            return
-        if self._probe_end is None:
-            return
-        assert self._evaluator is not None and self._overhead_timer is not None and self._optimizer_timer is not None
-        self._overhead_timer.start()
-        self._evaluator.before_step()
-        self._overhead_timer.stop()
-        self._optimizer_timer.start()
+        if self._fit is not None:
+            self._fit.before_optimizer_step()
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._schedule is None:
-            return
-        assert self._step_timer is not None and self._evaluator is not None
-        assert self._overhead_timer is not None and self._optimizer_timer is not None
-        if trainer.global_step == self._step_at_batch_start:  # accumulating gradients: the step goes on
-            self._step_timer.stop()
-            self._step_seconds += sum(self._step_timer.pop())
-            return
-        if self._probe_end is None:
-            self._step_timer.stop()
-            self._costs.selected_steps.append(self._step_seconds + sum(self._step_timer.pop()))
-            self._step_seconds = 0.0
-            return
-        self._optimizer_timer.stop()
-        self._overhead_timer.start()
-        self._evaluator.after_step()
-        self._overhead_timer.stop()
-        self._step_timer.stop()
-        self._costs.probe_steps.append(self._step_seconds + sum(self._step_timer.pop()))
-        self._step_seconds = 0.0
-        self._costs.optimizer.extend(self._optimizer_timer.pop())
-        self._costs.probe_overhead.append(sum(self._overhead_timer.pop()))
-        if trainer.global_step >= self._probe_end:
-            self._evaluator.finish()
-            self._probe_end = None
-            if self._schedule.selects_at_epoch_start(trainer.global_step):
-                self._pending_selection = True
+        if (fit := self._fit) is None or trainer.global_step == fit.step_at_batch_start:
+            return  # off, or accumulating gradients: the optimizer step is still to come
+        fit.after_optimizer_step()
+        step = trainer.global_step
+        if fit.probe_end is not None and step >= fit.probe_end:
+            fit.close_probe()
+            if fit.schedule.selects_at_epoch_start(step):
+                fit.pending_selection = True
             else:
                 self._select_and_apply(trainer, pl_module)
+        elif self._interval_unit == "step" and fit.schedule.selects_at(step):
+            self._select_and_apply(trainer, pl_module)
 
-    def _open_probe(self, trainer: L.Trainer, end: int) -> None:
-        assert self._evaluator is not None
-        self._log_interval_timing(trainer)
-        self._probe_end = end
-        self._costs = _Costs()
-        self._evaluator.reset()
-        apply_mask(self._params, [not f for f in self._forbidden])
-        self._bn_frozen = apply_bn_policy(trainer.lightning_module, self._bn_policy, self._bn_frozen)
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._fit is not None and trainer.training:
+            self._fit.step_timer.start()  # validation is the same with and without the callback: not counted
 
-    # ------------------------------------------------------------------ 3. select and 4. apply
+    # ------------------------------------------------------------------ 4. select and 5. apply
 
     def _select_and_apply(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        assert self._profile is not None and self._evaluator is not None
-        started = time.perf_counter()
-        self._pending_selection = False
-        importance = trainer.strategy.reduce(self._evaluator.importance.to(pl_module.device), reduce_op="mean")
-        importance = importance.double().cpu()
-        probe = torch.tensor(
-            [_mean(self._costs.probe_steps) - _mean(self._costs.probe_overhead), _mean(self._costs.optimizer)],
-            dtype=torch.float64,
-            device=pl_module.device,
+        fit, profile = self._fit, self._profile
+        assert fit is not None and fit.plan is not None and profile is not None
+        started = self._clock()
+        fit.pending_selection = False
+        self._close_interval(trainer)
+        importance = fit.importance(trainer)
+        full, optimizer = fit.probe_figures(trainer)
+        if self._calibrate and math.isfinite(full) and math.isfinite(optimizer):
+            model = StepTimeModel.calibrated(profile, full, optimizer)
+            target = fit.target(trainer, trainer.global_step)
+        else:
+            full, optimizer = profile.t_full, 0.0
+            model = StepTimeModel.from_profile(profile)
+            target = full / self._speedup
+        decision = decide(
+            model, importance, target, required=fit.required, forbidden=fit.forbidden, resolution=self._resolution
         )
-        full, optimizer_seconds = trainer.strategy.reduce(probe, reduce_op="mean").cpu().tolist()
-        if not (self._calibrate and math.isfinite(full) and math.isfinite(optimizer_seconds)):
-            full, optimizer_seconds = self._profile.t_full, 0.0
-        loop_seconds = max(0.0, full - self._profile.t_full - optimizer_seconds)
-        model = step_time_model(self._profile, optimizer_seconds=optimizer_seconds, loop_seconds=loop_seconds)
-        budget = model.budget(self._speedup, full)
-        floor = model.predict(self._required) - model.t_fixed if any(self._required) else 0.0
-        if budget <= floor:
+        if decision.starved and not fit.warned_starved:
+            fit.warned_starved = True
             rank_zero_warn(
-                f"ElasticTensorSelection: with the step times measured in this run (full step {full * 1e3:.1f} ms), "
-                f"a speedup of {self._speedup:g} leaves no time for any tensor; training the cheapest selection. "
-                f"Largest reachable: {model.max_speedup(self._required, self._forbidden, full):.2f}"
+                f"ElasticTensorSelection: at step {trainer.global_step} the plan leaves {target * 1e3:.1f} ms a step "
+                f"(full step {full * 1e3:.1f} ms, {fit.plan.spent:.1f} s spent of {fit.plan.planned():.1f} s planned); "
+                f"the cheapest selection takes {decision.predicted_seconds * 1e3:.1f} ms, so this interval spends more "
+                f"than its share of `speedup` {self._speedup!r} (largest per-step speedup: "
+                f"{_at_most(model.max_speedup(fit.required, fit.forbidden, full))}x). Later intervals pay it back if "
+                "they can: the summary's `fit_speedup` is the outcome. Warned once a fit."
             )
-        selection = select(
-            model.t_dw,
-            model.t_dy,
-            importance.tolist(),
-            max(budget, _with_grid_slack(floor, sum(self._required), self._resolution), 1e-12),
-            self._resolution,
-            required=self._required,
-            forbidden=self._forbidden,
-        )
-        mask = selection.mask if any(selection.mask) else _cheapest_single(model, importance, self._forbidden)
-        select_seconds = time.perf_counter() - started
-        self._totals["select_seconds"] += select_seconds
-        self._totals["probe_seconds"] += sum(self._costs.probe_steps)
-        apply_mask(self._params, mask)
-        self._bn_frozen = apply_bn_policy(pl_module, self._bn_policy, self._bn_frozen)
-        _invalidate_compiled_graphs(pl_module)
-        self._mask = tuple(mask)
-        record = {
-            "step": trainer.global_step,
-            "epoch": trainer.current_epoch,
-            "mask": "".join("1" if m else "0" for m in mask),
-            "importance": importance.tolist(),
-            "predicted_seconds": model.predict(mask),
-            "full_seconds": full,
-            "budget_seconds": budget,
-        }
-        self._history.append(record)
-        self._costs.selected_steps = []
-        self._log_selection(trainer, record, select_seconds, optimizer_seconds)
+        select_seconds = self._clock() - started
+        fit.set_trainable(decision.mask)
+        fit.bn_frozen = apply_bn_policy(pl_module, self._bn_policy, fit.bn_frozen)
+        if fit.warming:
+            _invalidate_compiled_graphs(pl_module)
+        apply_seconds = self._clock() - started - select_seconds
+        fit.totals["select_seconds"] += select_seconds
+        fit.totals["apply_seconds"] += apply_seconds
+        fit.plan.spend_overhead(select_seconds + apply_seconds)
+        fit.mask = decision.mask
+        record = SelectionRecord(trainer.global_step, trainer.current_epoch, decision, full_seconds=full)
+        fit.history.append(record)
+        fit.step_timer.start()  # the selection's own time is charged above, not to the next step
+        self._log_selection(trainer, record, select_seconds, optimizer)
 
-    # ------------------------------------------------------------------ 5. inspect
-
-    def summary(self) -> dict[str, float]:
-        """Figures of the run so far: measured speedup, selected fraction, and the method's own costs in seconds."""
-        last = self._history[-1] if self._history else None
-        selected = [s for r in self._history for s in r.get("selected_steps", [])]
-        full = _mean([r["full_seconds"] for r in self._history])
-        return {
-            "selections": float(len(self._history)),
-            "selected_fraction": (last["mask"].count("1") / len(last["mask"])) if last else math.nan,
-            "full_step_seconds": full,
-            "selected_step_seconds": _mean(selected),
-            "measured_speedup": full / _mean(selected) if selected else math.nan,
-            **self._totals,
-        }
-
-    def _log_interval_timing(self, trainer: L.Trainer) -> None:
-        """Close the interval of the last selection: its measured step times against the prediction."""
-        steps = self._costs.selected_steps
-        if not self._history or not steps:
+    def _close_interval(self, trainer: L.Trainer) -> None:
+        """The last selection's measured steps: into its record, into the plan's correction, to the loggers."""
+        fit = self._fit
+        assert fit is not None and fit.plan is not None
+        steps, fit.selected_steps = fit.selected_steps, []
+        if not fit.history or not steps:
             return
-        record = self._history[-1]
-        record["selected_steps"] = list(steps)
-        measured = _mean(steps)
+        record = fit.history[-1] = replace(fit.history[-1], measured_seconds=tuple(steps))
+        fit.plan.observe_selected_steps(record.measured_step, record.decision.predicted_seconds)
         metrics = {
-            "elastic/measured_step_ms": measured * 1e3,
-            "elastic/predicted_step_ms": record["predicted_seconds"] * 1e3,
-            "elastic/measured_speedup": record["full_seconds"] / measured,
+            "elastic/measured_step_ms": record.measured_step * 1e3,
+            "elastic/predicted_step_ms": record.decision.predicted_seconds * 1e3,
+            **reporting.contract_metrics(fit.plan),
         }
-        if self._allreduce is not None and self._allreduce.last_step_full_bytes:
-            metrics["elastic/allreduce_fraction"] = (
-                self._allreduce.last_step_bytes / self._allreduce.last_step_full_bytes
-            )
-        _log_metrics(trainer, metrics)
+        if fit.plan.full_samples:  # measured against measured: without `calibrate` the record's T is the profile's
+            metrics["elastic/measured_speedup"] = fit.plan.full_step / record.measured_step
+        if fit.allreduce is not None and fit.allreduce.last_step_full_bytes:
+            metrics["elastic/allreduce_fraction"] = fit.allreduce.last_step_bytes / fit.allreduce.last_step_full_bytes
+        reporting.log_metrics(trainer, metrics)
 
-    def _log_selection(
-        self, trainer: L.Trainer, record: dict[str, Any], select_seconds: float, optimizer_seconds: float
-    ) -> None:
-        assert self._profile is not None
-        trained = [c == "1" for c in record["mask"]]
-        elements = sum(n for n, m in zip(self._profile.numel, trained, strict=True) if m)
-        predicted_ms, full_ms = record["predicted_seconds"] * 1e3, record["full_seconds"] * 1e3
-        _log_metrics(
+    # ------------------------------------------------------------------ 6. inspect
+
+    def _log_selection(self, trainer: L.Trainer, record: SelectionRecord, select_s: float, optimizer_s: float) -> None:
+        fit, profile = self._fit, self._profile
+        assert fit is not None and fit.plan is not None and profile is not None
+        mask = record.mask
+        reporting.log_metrics(
             trainer,
             {
-                "elastic/selected_fraction": sum(trained) / len(trained),
-                "elastic/selected_elements_fraction": elements / sum(self._profile.numel),
-                "elastic/predicted_step_ms": predicted_ms,
-                "elastic/full_step_ms": full_ms,
-                "elastic/target_step_ms": full_ms / self._speedup,
-                "elastic/optimizer_ms": optimizer_seconds * 1e3,
-                "elastic/probe_overhead_ms": _mean(self._costs.probe_overhead) * 1e3,
-                "elastic/select_ms": select_seconds * 1e3,
+                "elastic/selected_fraction": mask.count(True) / len(mask),
+                "elastic/selected_elements_fraction": mask.elements(profile.numel) / sum(profile.numel),
+                "elastic/predicted_step_ms": record.decision.predicted_seconds * 1e3,
+                "elastic/full_step_ms": record.full_seconds * 1e3,
+                "elastic/target_step_ms": record.decision.target_seconds * 1e3,
+                "elastic/optimizer_ms": optimizer_s * 1e3,
+                "elastic/select_ms": select_s * 1e3,
+                **reporting.contract_metrics(fit.plan),
             },
         )
-        for writer in _tensorboard_writers(trainer):
+        for writer in reporting.tensorboard_writers(trainer):
             step = trainer.global_step
-            writer.add_histogram("elastic/importance", torch.tensor(record["importance"]), step)
-            if self._log_images:
-                history = [[c == "1" for c in r["mask"]] for r in self._history]
-                image = selection_heatmap(history, self._required, self._forbidden)
+            writer.add_histogram("elastic/importance", torch.tensor(record.decision.importance), step)
+            for tag, value in reporting.top_importance(record, profile.names).items():
+                writer.add_scalar(tag, value, step)
+            if self._log_images and (image := self.selection_map()) is not None:
                 writer.add_image("elastic/selection", image, step, dataformats="HWC")
-            names = ", ".join(n for n, m in zip(self._profile.names, trained, strict=True) if m)
-            writer.add_text(
-                "elastic/selection",
-                f"step {step}, epoch {record['epoch']}: {sum(trained)}/{len(trained)} tensors trained; predicted "
-                f"step {predicted_ms:.1f} ms of {full_ms:.1f} ms.  \n{names}",
-                step,
-            )
+            writer.add_text("elastic/selection", reporting.selection_text(record, profile.names), step)
 
-    def _log_profile(self, trainer: L.Trainer) -> None:
-        assert self._profile is not None
-        for writer in _tensorboard_writers(trainer):
-            writer.add_text("elastic/profile", profile_table(self._profile), trainer.global_step)
+    def _show_progress(self, pl_module: L.LightningModule) -> None:
+        """The phase and the share of tensors this step trains, in the progress bar (not sent to loggers).
+
+        `elastic/probing` is 1 in a probe window (every tensor trains and is measured), 0 under a selection.
+        """
+        fit = self._fit
+        assert fit is not None
+        if fit.probe_end is not None or fit.mask is None:
+            probing, trained = 1.0, 1.0
+        else:
+            probing, trained = 0.0, fit.mask.count(True) / len(fit.mask)
+        pl_module.log("elastic/probing", probing, prog_bar=True, logger=False, batch_size=1)
+        pl_module.log("elastic/trained", trained, prog_bar=True, logger=False, batch_size=1)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._schedule is None:
+        if self._fit is None:
             return
-        self._log_interval_timing(trainer)
-        self._costs.selected_steps = []
-        summary = self.summary()
-        rank_zero_info(
-            "ElasticTensorSelection: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if math.isfinite(v))
-        )
+        self._close_interval(trainer)
+        rank_zero_info(f"ElasticTensorSelection, the fit against training every tensor:\n{self.report().table()}")
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._fit is not None:
+            self._fit.give_back(pl_module)  # the user's model trains every tensor it did before the fit
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.on_fit_end(trainer, pl_module)
 
     # ------------------------------------------------------------------ checkpoints
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "profile": None if self._profile is None else self._profile.to_dict(),
-            "profile_fingerprint": None if self._profile is None else self._profile.fingerprint,
-            "mask": None if self._mask is None else list(self._mask),
-            "probe_end": self._probe_end,
-            "pending_selection": self._pending_selection,
-            "importance": None if self._evaluator is None else self._evaluator.state_dict(),
-            "history": [dict(r) for r in self._history],
-            "totals": dict(self._totals),
-            "bn_frozen": list(self._bn_frozen),
-        }
+        state: dict[str, Any] = {"version": STATE_VERSION, "profile": self._profile and self._profile.to_dict()}
+        if self._fit is not None:
+            state.update(self._fit.state_dict())
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict)
 
-    def _restore_runtime_state(self) -> None:
-        """Put the checkpoint's selection back in force before the first resumed step."""
-        state, self._restored = self._restored, None
-        if not state:
-            return
-        assert self._profile is not None and self._evaluator is not None
-        mask = state.get("mask")
-        if mask is not None and len(mask) == len(self._params):
-            self._mask = tuple(bool(m) for m in mask)
-            apply_mask(self._params, self._mask)
-        self._probe_end = state.get("probe_end")
-        self._pending_selection = bool(state.get("pending_selection", False))
-        if self._probe_end is not None:
-            apply_mask(self._params, [not f for f in self._forbidden])
-            if state.get("importance") is not None:
-                self._evaluator.load_state_dict(state["importance"])
-        self._history = list(state.get("history", []))
-        self._totals.update(state.get("totals", {}))
-        self._bn_frozen = list(state.get("bn_frozen", []))
-
-
-# ---------------------------------------------------------------------- helpers
-
 
 def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) > 0
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
+def _epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | None]:
+    """Optimizer steps of each epoch (the last repeating; `math.inf` when unknown) and of the fit (None: unknown).
 
-
-def _loss_of(output: Any) -> Tensor:
-    """The loss a `training_step` returned (a tensor, or a mapping with "loss")."""
-    loss = output["loss"] if isinstance(output, dict) else output
-    if not isinstance(loss, Tensor):
-        raise ElasticConfigError(
-            "`ElasticTensorSelection` profiles the real training step, so `training_step` must return the loss "
-            f"(a tensor or a dict with 'loss'). Found: {type(output).__name__}"
-        )
-    return loss
-
-
-def _first_batch(trainer: L.Trainer) -> Any:
-    """One real batch of the training data, on the training device, drawn without disturbing training.
-
-    A map-style data set gives its first samples directly, so the sampler's random state is not advanced (the
-    epoch's shuffle stays what it would have been); other loaders are iterated once. Global RNG is restored.
+    A `GradientAccumulationScheduler` changes the micro-batches of a step as epochs start, and
+    `StochasticWeightAveraging` adds an epoch without optimizer steps (to update BatchNorm statistics): the Trainer's
+    own estimate of the fit's steps sees neither.
     """
-    loaders = trainer.train_dataloader
-    with torch.random.fork_rng(devices=[]):
-        if isinstance(loaders, DataLoader) and isinstance(loaders.dataset, Sized) and loaders.batch_size:
-            size = min(loaders.batch_size, len(loaders.dataset))
-            batch = loaders.collate_fn([loaders.dataset[i] for i in range(size)])
-            dataloader_idx = 0
-        else:
-            combined = CombinedLoader(loaders, mode="max_size_cycle")
-            iter(combined)
-            batch, _, dataloader_idx = next(iter(combined))
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+    batches = trainer.num_training_batches
+    estimated = trainer.estimated_stepping_batches
+    total = int(estimated) if math.isfinite(estimated) else None
+    if not math.isfinite(batches):
+        return math.inf, total
+    callbacks = getattr(trainer, "callbacks", ())  # set by the Trainer; not in its type stubs
+    scheduler = next((c for c in callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    swa = next((c for c in callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    if scheduler is None:
+        lengths: tuple[int, ...] = (math.ceil(batches / trainer.accumulate_grad_batches),)
+    else:
+        lengths = tuple(
+            math.ceil(batches / scheduler.get_accumulate_grad_batches(e)) for e in range(max(scheduler.epochs) + 1)
+        )
+    epochs = trainer.max_epochs
+    if swa is not None and swa._model_contains_batch_norm:  # its last epoch only runs BatchNorm statistics
+        epochs = swa._max_epochs
+    if (scheduler is not None or swa is not None) and epochs is not None and epochs >= 0:
+        steps = sum(lengths[min(e, len(lengths) - 1)] for e in range(max(epochs, 1)))
+        total = min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
+    return lengths, total
 
 
-def _load_profile(given: TimingProfile | str | os.PathLike[str] | None) -> TimingProfile | None:
-    if given is None or isinstance(given, TimingProfile):
-        return given
-    path = Path(given)
-    try:
-        return TimingProfile.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        raise ElasticConfigError(
-            f"`profile` must be a readable timing profile saved as JSON. Found: {str(path)!r} ({err})"
-        ) from err
+def _at_most(limit: float) -> str:
+    """`limit` rounded down to two decimals: a figure shown as a ceiling is never above the true one."""
+    return f"{math.floor(limit * 100) / 100:.2f}"
 
 
-@contextmanager
-def _muted(pl_module: L.LightningModule) -> Iterator[None]:
-    """Run the training step for profiling without logging, and leave its metrics as they were."""
-    metrics = [m for m in pl_module.modules() if isinstance(m, Metric)]
-    counts = [m.update_count for m in metrics]
-    pl_module.log = _ignore  # type: ignore[method-assign]
-    pl_module.log_dict = _ignore  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log, pl_module.log_dict
-        for metric, count in zip(metrics, counts, strict=True):
-            if metric.update_count != count:
-                metric.reset()
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _same_on_every_rank(trainer: L.Trainer, profiled: TimingProfile) -> TimingProfile:
-    """Rank zero's profile everywhere, so that every rank makes the same decisions."""
-    if trainer.world_size == 1:
-        return profiled
-    return TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
-
-
-def _with_grid_slack(seconds: float, tensors: int, resolution: int) -> float:
-    """A budget that still holds `seconds` of `tensors` costs after each is rounded up to the selector's grid."""
-    return seconds * resolution / max(resolution - tensors - 2, 1)
-
-
-def _cheapest_single(model: StepTimeModel, importance: Tensor, forbidden: Sequence[bool]) -> tuple[bool, ...]:
-    """When no tensor is worth training, train the most important of the cheapest-to-reach tensors: the last one."""
-    allowed = [k for k in range(len(forbidden)) if not forbidden[k]]
-    best = max(allowed, key=lambda k: (k, float(importance[k])))
-    return tuple(k == best for k in range(len(forbidden)))
+def _steps(total: int | None) -> str:
+    return f"{total} optimizer steps" if total is not None else "steps (length unknown: planned per interval)"
 
 
 def _invalidate_compiled_graphs(pl_module: nn.Module) -> None:
     """Drop torch.compile's graphs of the previous selection.
 
     Dynamo's guards on `requires_grad` already keep a stale graph from running, but each new selection adds a
-    cache entry; past the cache-size limit dynamo silently falls back to eager mode. Resetting keeps one graph.
+    cache entry; past the cache-size limit dynamo silently falls back to eager mode. Resetting keeps one graph, so
+    each change of the trainable set compiles once: that first step is charged to the fit as warm-up
+    (`warmup_seconds`, `compiled_graphs` in the summary) and kept out of the step times the plan learns from.
     """
     if any(type(m).__name__ == "OptimizedModule" for m in pl_module.modules()) or getattr(
         pl_module, "_compiler_ctx", None
     ):
         torch._dynamo.reset()
-
-
-def _log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    clean = {k: v for k, v in metrics.items() if math.isfinite(v)}
-    for logger in trainer.loggers:
-        logger.log_metrics(clean, step=trainer.global_step)
-
-
-def _tensorboard_writers(trainer: L.Trainer) -> list[Any]:
-    if trainer.global_rank != 0:
-        return []
-    return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]

@@ -14,8 +14,10 @@ with the before-gradient standing alone where the next step brings none (end of 
 then). The ElasticTrainer reference uses the after-gradient alone. Importance is summed over a window of
 consecutive real training steps.
 
-:class:`ImportanceEvaluator` only reads gradients and weights; it keeps one copy of the trained tensors
-between ``before_step`` and the next step (the old weights, turned into ``-dw`` in place after the step).
+:class:`ImportanceEvaluator` only reads gradients and weights. With the default before-gradient it keeps no
+copy of the weights: ``g . dw = g . w_after - g . w_before``, both summed in float64 (docs/memory.md); the
+modes that read the after-gradient keep one copy of the trained tensors between ``before_step`` and the next
+step (the old weights, turned into ``-dw`` in place after the step).
 :func:`true_loss_drop` is the brute-force reference that the estimate is checked against.
 """
 
@@ -45,8 +47,9 @@ class ImportanceEvaluator:
 
     Training is never disturbed: weights, gradients, ``requires_grad`` and optimizer state are only read.
     Sums are kept on the parameters' devices and moved to the CPU (float64) once per read of
-    :attr:`importance`. A step whose weights did not change (an AMP step skipped on overflow) contributes
-    0, and a non-finite after-gradient falls back to the before-gradient.
+    :attr:`importance`. A non-finite after-gradient falls back to the before-gradient; a contribution that is
+    still not finite (a NaN or inf gradient, an AMP step skipped on overflow) is left out of the sum and out of
+    :attr:`counts`, and counted in :attr:`nonfinite`.
 
     Args:
         params: The tensors to evaluate, in the order of the importance vector (forward order).
@@ -85,12 +88,15 @@ class ImportanceEvaluator:
         n = len(self._params)
         self._settled = torch.zeros(n, dtype=torch.float64)
         self._steps = 0
+        self._counts = [0] * n
         # w_old between before_step and after_step, then -dw until the next before_step settles it.
         self._buffers: dict[int, Tensor] = {}
         self._open: dict[torch.device, list[int]] | None = None
         self._pending: list[_Record] = []
         self._records: list[_Record] = []
         self._nan: dict[torch.device, Tensor] = {}
+        self._nonfinite = [0] * n
+        self._before_dots: dict[int, Tensor] = {}  # "before": g.w at before_step, per open tensor
 
     @property
     def importance(self) -> Tensor:
@@ -104,6 +110,18 @@ class ImportanceEvaluator:
         for indices, values in self._pending:
             total.index_add_(0, torch.tensor(indices), _finite(values).to("cpu", torch.float64))
         return total
+
+    @property
+    def counts(self) -> list[int]:
+        """Per tensor, the optimizer steps of the window that measured it (frozen or non-finite steps do not count)."""
+        self._flush()
+        return [c - d for c, d in zip(self._counts, self._nonfinite, strict=True)]
+
+    @property
+    def nonfinite(self) -> list[int]:
+        """Per tensor, the steps of the window whose contribution was not finite and was left out."""
+        self._flush()
+        return list(self._nonfinite)
 
     @property
     def steps(self) -> int:
@@ -129,11 +147,16 @@ class ImportanceEvaluator:
                 continue
             if grad.layout != torch.strided:
                 raise RuntimeError(f"Importance needs dense gradients. Found: a {grad.layout} gradient for tensor {k}")
-            if k not in self._buffers:
+            if self._gradient == "before":
+                # g.w before and after the step give g.dw without a copy of the weights (a full model's worth of
+                # memory in probe windows); float64 sums keep the difference exact to ~1e-16 of g.w
+                self._before_dots[k] = _dot64(grad, self._params[k])
+            elif k not in self._buffers:
                 self._buffers[k] = torch.empty_like(self._params[k])
             active.setdefault(grad.device, []).append(k)
-        for indices in active.values():
-            torch._foreach_copy_([self._buffers[k] for k in indices], [self._params[k] for k in indices])
+        if self._gradient != "before":
+            for indices in active.values():
+                torch._foreach_copy_([self._buffers[k] for k in indices], [self._params[k] for k in indices])
         self._open = active
 
     @torch.no_grad()
@@ -160,14 +183,19 @@ class ImportanceEvaluator:
                     _ORDER + " Call after_step() before the gradients are zeroed. Found: no gradient "
                     f"at after_step() for tensors {missing}, which had one at before_step()"
                 )
+            # Optimizers leave .grad as they found it: it is still the gradient the step consumed.
+            if self._gradient == "before":
+                after = [_dot64(g, self._params[k]) for g, k in zip(grads, indices, strict=True)]
+                before = torch.stack([self._before_dots[k] - a for k, a in zip(indices, after, strict=True)])
+                self._records.append((indices, before))
+                continue
             buffers = [self._buffers[k] for k in indices]
             torch._foreach_sub_(buffers, [self._params[k] for k in indices])
-            # Optimizers leave .grad as they found it: it is still the gradient the step consumed.
             before = torch.stack([_dot(g, b) for g, b in zip(grads, buffers, strict=True)])
-            if self._gradient == "before":
-                self._records.append((indices, _finite(before)))
-            else:
-                self._pending.append((indices, before))
+            self._pending.append((indices, before))
+        for indices in self._open.values():
+            for k in indices:
+                self._counts[k] += 1
         self._open = None
         self._steps += 1
 
@@ -187,18 +215,20 @@ class ImportanceEvaluator:
         """Start a new window: zero the sums and the step count, drop pending updates and copies."""
         self._settled.zero_()
         self._steps = 0
+        self._counts = [0] * len(self._params)
+        self._nonfinite = [0] * len(self._params)
         self._buffers = {}
         self._open = None
         self._pending = []
         self._records = []
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"importance": list of N floats, "steps": int}``.
+        """Plain data: ``{"importance": list of N floats, "steps": int, "counts": list of N ints}``.
 
         The weight copies are not saved: a restored evaluator counts the latest update with its
         before-gradient alone (as :attr:`importance` does) and drops an open step.
         """
-        return {"importance": self.importance.tolist(), "steps": self._steps}
+        return {"importance": self.importance.tolist(), "steps": self._steps, "counts": list(self._counts)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the sums and step count of :meth:`state_dict`; pending updates and copies are dropped.
@@ -218,6 +248,9 @@ class ImportanceEvaluator:
         self.reset()
         self._settled = torch.tensor(importance, dtype=torch.float64)
         self._steps = steps
+        counts = state.get("counts")
+        # Checkpoints without counts were taken in windows that train every tensor.
+        self._counts = [int(c) for c in counts] if isinstance(counts, list) and len(counts) == n else [steps] * n
 
     def _settle(self, grads: Sequence[Tensor | None]) -> None:
         """Move the pending update into the records, averaging in the after-gradient where there is one."""
@@ -231,7 +264,7 @@ class ImportanceEvaluator:
             )
             combined = (before + after) * 0.5 if self._gradient == "average" else after
             # A missing or non-finite after-gradient (frozen now, AMP overflow) leaves the before-gradient.
-            self._records.append((indices, _finite(torch.where(after.isfinite(), combined, before))))
+            self._records.append((indices, torch.where(after.isfinite(), combined, before)))
         self._pending = []
 
     def _flush(self) -> None:
@@ -243,7 +276,9 @@ class ImportanceEvaluator:
             all_values.append(values)
         for all_indices, all_values in by_device.values():
             values = torch.cat(all_values).to("cpu", torch.float64)
-            self._settled.index_add_(0, torch.tensor(all_indices), values)
+            for position in (~values.isfinite()).nonzero().flatten().tolist():
+                self._nonfinite[all_indices[position]] += 1
+            self._settled.index_add_(0, torch.tensor(all_indices), _finite(values))
         self._records = []
 
     def _nan_on(self, device: torch.device) -> Tensor:
@@ -330,8 +365,19 @@ def _dot(x: Tensor, y: Tensor) -> Tensor:
     return torch.dot(x.reshape(-1), y.reshape(-1))
 
 
+def _dot64(x: Tensor, y: Tensor, chunk: int = 1 << 16) -> Tensor:
+    """``sum(x * y)`` summed in float64, in chunks: temporaries stay a few MiB whatever the tensor's size."""
+    if x.dtype == torch.float64 and y.dtype == torch.float64:
+        return torch.dot(x.reshape(-1), y.reshape(-1))
+    flat_x, flat_y = x.reshape(-1), y.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, flat_x.numel(), chunk):
+        total += torch.dot(flat_x[start : start + chunk].double(), flat_y[start : start + chunk].double())
+    return total
+
+
 def _finite(values: Tensor) -> Tensor:
-    # Non-finite only when the gradient was (an AMP overflow): such a step is skipped and changes nothing.
+    # Non-finite only when a gradient or an update was: such a contribution measures nothing.
     return values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 

@@ -1,15 +1,18 @@
 """When to measure importance and when to re-select, counted in optimizer steps.
 
-Every selection is preceded by a probe window: `probe_steps` ordinary training steps with every candidate
-tensor trainable, during which importance is measured. The first selection follows the probe window that opens
-training. Later selections come every `interval` optimizer steps, or every `interval` epochs: then the probe
-window is the end of the epoch before, and the selection happens as the selection epoch starts. When the epoch
-length is unknown (an iterable data set), the window opens as the selection epoch starts instead.
+The first selection follows a probe window that opens training: `probe_steps` ordinary training steps with every
+candidate tensor trainable, during which the importance of every tensor is measured. Later selections come every
+`interval` optimizer steps, or every `interval` epochs (then as the selection epoch starts). Every `probe_every`-th
+of them is preceded by a probe window (in epoch mode, the end of the epoch before); the others re-use the importance
+that the selected tensors' own updates measure at every step. When the epoch length is unknown (an iterable data
+set), the window opens as the selection epoch starts instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +27,11 @@ class Schedule:
         interval: re-select every `interval` epochs or optimizer steps.
         unit: "epoch" or "step".
         probe_steps: length of the probe window before each selection.
-        steps_per_epoch: optimizer steps in one epoch; `math.inf` when unknown.
+        steps_per_epoch: optimizer steps in one epoch; `math.inf` when unknown; or of each epoch, the last repeating
+            (a gradient accumulation schedule changes them).
+        probe_every: a probe window precedes every `probe_every`-th selection after the first.
+        total_steps: optimizer steps of the fit (`math.inf` when unknown): no window opens for a selection that
+            would come at its end.
 
     Example:
         >>> schedule = Schedule(interval=2, unit="epoch", probe_steps=3, steps_per_epoch=10)
@@ -32,27 +39,64 @@ class Schedule:
         [0, 1, 2, 17, 18, 19, 37, 38, 39]
         >>> schedule.window_end(17)
         20
+        >>> sparse = Schedule(interval=4, unit="step", probe_steps=2, probe_every=2)
+        >>> [step for step in range(20) if sparse.window_end(step) is not None], sparse.probe_steps_between(0, 20)
+        ([0, 1, 6, 7, 14, 15], 6)
+        >>> [step for step in range(20) if sparse.selects_at(step)]
+        [4, 12]
+        >>> accumulating = Schedule(interval=1, unit="epoch", probe_steps=2, steps_per_epoch=(8, 4), total_steps=20)
+        >>> [step for step in range(20) if accumulating.window_end(step) is not None]
+        [0, 1, 6, 7, 10, 11, 14, 15]
     """
 
     interval: int
     unit: IntervalUnit
     probe_steps: int
-    steps_per_epoch: float = math.inf
+    steps_per_epoch: float | tuple[int, ...] = math.inf
+    probe_every: int = 1
+    total_steps: float = math.inf
 
     @property
     def period(self) -> float:
-        """Optimizer steps between two selections after the first (`math.inf` when the epoch length is unknown)."""
-        return self.interval * self.steps_per_epoch if self.unit == "epoch" else self.interval
+        """Fewest optimizer steps between two selections after the first (`math.inf`: epoch length unknown)."""
+        if self.unit == "step":
+            return self.interval
+        lengths = self._epoch_lengths()
+        if lengths is None:
+            return math.inf
+        return min(sum(self._epoch_length(e) for e in range(k, k + self.interval)) for k in range(len(lengths)))
 
     def window_end(self, step: int) -> int | None:
         """If optimizer step `step` lies in a scheduled probe window, the step before which the selection happens."""
-        if step < self.probe_steps:
-            return self.probe_steps
-        if math.isinf(self.period):
+        if step < self.first_window_end:
+            return self.first_window_end
+        end = next(self._selections_after(step), None)
+        if end is None:
             return None
-        period = int(self.period)
-        end = (step // period + 1) * period
-        return end if end - step <= self.probe_steps else None
+        return end if end - step <= self.probe_steps and self.probed(end) and end < self.total_steps else None
+
+    def probed(self, selection_step: int) -> bool:
+        """Whether the selection at optimizer step `selection_step` follows a probe window."""
+        if selection_step <= self.probe_steps or math.isinf(self.period):
+            return True
+        return self.selections_until(selection_step) % self.probe_every == 0
+
+    def selects_at(self, step: int) -> bool:
+        """Whether a selection without a probe window comes into force before optimizer step `step`."""
+        if math.isinf(self.period) or step <= self.probe_steps or next(self._selections_after(step - 1)) != step:
+            return False
+        return not self.probed(step)
+
+    def probe_steps_between(self, start: int, end: int) -> int:
+        """How many optimizer steps in `[start, end)` lie in probe windows (windows still to open, as planned)."""
+        count = max(0, min(end, self.first_window_end) - start)
+        for selection in self._selections_after(start):
+            if selection >= end + self.probe_steps or selection >= self.total_steps:
+                break
+            if self.probed(selection):
+                window = range(max(selection - self.probe_steps, self.first_window_end), selection)
+                count += len(range(max(window.start, start), min(window.stop, end)))
+        return count
 
     def opens_at_epoch_start(self, epoch: int) -> bool:
         """Epoch length unknown: whether a probe window opens as `epoch` starts."""
@@ -61,3 +105,43 @@ class Schedule:
     def selects_at_epoch_start(self, window_end: int) -> bool:
         """Whether the selection closing a window ending at `window_end` waits for the next epoch's start."""
         return self.unit == "epoch" and window_end != self.probe_steps and not math.isinf(self.period)
+
+    @property
+    def first_window_end(self) -> int:
+        """Where the first window ends: after `probe_steps`, unless the next window would open before the first
+        selection trained a step; then the first window runs on until that window's selection (nothing wasted)."""
+        following = next(self._selections_after(self.probe_steps - 1), None)
+        if following is None or following == self.probe_steps or following >= self.total_steps:
+            return self.probe_steps
+        overwritten = following - self.probe_steps <= self.probe_steps and self.probed(following)
+        return following if overwritten else self.probe_steps
+
+    def selections_until(self, step: int) -> int:
+        """How many selections after the first come into force at or before optimizer step `step`."""
+        if self.unit == "step":
+            return step // self.interval
+        return sum(1 for _ in itertools.takewhile(lambda s: s <= step, self._selections_after(0)))
+
+    def _epoch_lengths(self) -> tuple[int, ...] | None:
+        """Optimizer steps of each epoch (the last repeating), or None when unknown."""
+        if isinstance(self.steps_per_epoch, tuple):
+            return self.steps_per_epoch
+        return None if math.isinf(self.steps_per_epoch) else (int(self.steps_per_epoch),)
+
+    def _epoch_length(self, epoch: int) -> int:
+        lengths = self._epoch_lengths()
+        assert lengths is not None
+        return lengths[min(epoch, len(lengths) - 1)]
+
+    def _selections_after(self, step: int) -> Iterator[int]:
+        """The steps of the selections after the first that come after `step`, in order (none if unknown)."""
+        if self.unit == "step":
+            yield from itertools.count((step // self.interval + 1) * self.interval, self.interval)
+            return
+        if self._epoch_lengths() is None:
+            return
+        start = 0
+        for epoch in itertools.count():
+            if epoch and epoch % self.interval == 0 and start > step:
+                yield start
+            start += self._epoch_length(epoch)

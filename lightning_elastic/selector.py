@@ -1,19 +1,13 @@
-"""Exact selection of the tensors to train under a backward-time budget.
+"""Exact selection of the tensors to train under a time budget, and the decision made with it at each re-selection.
 
-Cost model. Tensors are indexed in forward order (index 0 nearest the input). Training the set ``m``
-costs
-
-    cost(m) = sum_k m_k * t_dw[k] + sum_{i > d} t_dy[i],    d = lowest selected index,
-
-and the empty set costs 0. ``t_dw[k]`` is the time of tensor ``k``'s weight-gradient kernel, paid only
-when ``k`` is trained; ``t_dy[i]`` is the time of propagating the gradient through the op that owns
-tensor ``i``. Backward runs from the loss down to the deepest trained tensor and no further, so every op
-above ``d`` is charged, selected or not, and the deepest tensor's own ``t_dy`` is not (nothing below it
-needs that gradient).
-
-:func:`select` maximises the total importance under ``cost(m) <= budget`` with an exact dynamic program,
+The costs come from `lightning_elastic.time_model`: training the set ``m`` adds
+``backward_cost(m) = sum_k m_k * t_dw[k] + sum_{i > d(m)} t_dy[i]`` to a step, ``d(m)`` the lowest selected index.
+:func:`select` maximises the total importance under ``backward_cost(m) <= budget`` with an exact dynamic program,
 O(N * resolution) time: for each candidate deepest tensor ``d`` the ``t_dy`` charge is fixed, and the rest
 is a 0/1 knapsack over the tensors above ``d``, built incrementally as ``d`` moves towards the input.
+
+:func:`decide` is what happens at a re-selection, as a pure function: a step-time target and the importance in,
+a typed `Decision` out (the mask to apply, what it is predicted to cost, and whether anything fitted at all).
 """
 
 from __future__ import annotations
@@ -23,6 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from lightning_elastic.records import Decision, Mask
+from lightning_elastic.time_model import StepTimeModel, backward_cost
 
 # Relative error of one correctly rounded float64 operation, doubled for a safety margin.
 _ROUNDING = 2.0**-52
@@ -35,7 +32,7 @@ class Selection:
     Attributes:
         mask: One flag per tensor in forward order (index 0 = tensor nearest the input).
         importance: Sum of the importance of the selected tensors.
-        cost: ``selection_cost(mask, t_dw, t_dy)`` on the exact, unquantised times.
+        cost: ``backward_cost(mask, t_dw, t_dy)`` on the exact, unquantised times.
 
     Example:
         >>> Selection(mask=(False, True), importance=2.0, cost=1.5).mask
@@ -45,40 +42,6 @@ class Selection:
     mask: tuple[bool, ...]
     importance: float
     cost: float
-
-
-def selection_cost(mask: Sequence[bool], t_dw: Sequence[float], t_dy: Sequence[float]) -> float:
-    """Backward time of training the tensors in ``mask`` (see the module docstring).
-
-    The sum is correctly rounded (``math.fsum``), so a selection whose exact cost fits a budget never
-    reads as over it.
-
-    Args:
-        mask: One flag per tensor in forward order.
-        t_dw: Weight-gradient time of each tensor.
-        t_dy: Gradient-propagation time of each tensor's op.
-
-    Returns:
-        ``sum_k mask[k] * t_dw[k] + sum_{i > d} t_dy[i]``, ``d`` the lowest selected index; 0 when
-        nothing is selected.
-
-    Raises:
-        ValueError: If the three sequences differ in length.
-
-    Example:
-        >>> selection_cost([False, True, True], t_dw=[1.0, 2.0, 3.0], t_dy=[10.0, 20.0, 30.0])
-        35.0
-    """
-    if not len(mask) == len(t_dw) == len(t_dy):
-        raise ValueError(
-            "`mask`, `t_dw` and `t_dy` must have the same length. "
-            f"Found: {len(mask)}, {len(t_dw)} and {len(t_dy)}"
-        )
-    selected = [k for k, flag in enumerate(mask) if flag]
-    if not selected:
-        return 0.0
-    deepest = selected[0]
-    return math.fsum([float(t_dw[k]) for k in selected] + [float(t) for t in t_dy[deepest + 1 :]])
 
 
 def select(
@@ -91,7 +54,7 @@ def select(
     required: Sequence[bool] | None = None,
     forbidden: Sequence[bool] | None = None,
 ) -> Selection:
-    """Choose the tensors to train: most total importance with ``selection_cost <= budget``.
+    """Choose the tensors to train: most total importance with ``backward_cost <= budget``.
 
     Times are quantised to ``resolution`` units of ``budget`` and rounded up (each ``t_dw`` on its own,
     the ``t_dy`` charge as the ceiling of the exact suffix sum), so the selection never exceeds
@@ -140,7 +103,56 @@ def select(
     return Selection(
         mask=mask,
         importance=math.fsum(float(v) for v, flag in zip(value, mask, strict=True) if flag),
-        cost=selection_cost(mask, dw.tolist(), dy.tolist()),
+        cost=backward_cost(mask, dw.tolist(), dy.tolist()),
+    )
+
+
+def decide(
+    model: StepTimeModel,
+    importance: Sequence[float],
+    target_seconds: float,
+    *,
+    required: Sequence[bool],
+    forbidden: Sequence[bool],
+    resolution: int = 1000,
+) -> Decision:
+    """The trainable set for the next interval: the most important tensors whose step fits `target_seconds`.
+
+    When nothing fits (the target is at or below the cheapest step that trains the `required` tensors, or any
+    tensor), the decision is that cheapest step and says so with `starved`: required tensors alone, else the
+    tensor nearest the output that may train.
+
+    Example:
+        >>> model = StepTimeModel(t_dw=(2.0, 1.0, 1.0), t_dy=(4.0, 2.0, 1.0), t_fixed=3.0)
+        >>> decision = decide(model, [5.0, 3.0, 1.0], 7.0, required=[False] * 3, forbidden=[False] * 3)
+        >>> decision.mask.flags, decision.predicted_seconds, decision.starved
+        ((False, True, True), 6.0, False)
+    """
+    pinned, banned = Mask.of(required), Mask.of(forbidden)
+    budget = min(target_seconds, model.full) - model.t_fixed  # an unbounded target trains everything allowed
+    floor = model.predict(pinned) - model.t_fixed if any(pinned) else 0.0
+    # Slack so that the pinned tensors still fit once each cost is rounded up to the grid.
+    grid_floor = floor * resolution / max(resolution - sum(pinned) - 2, 1)
+    solved = select(
+        model.t_dw,
+        model.t_dy,
+        importance,
+        max(budget, grid_floor, 1e-12),
+        resolution,
+        required=pinned,
+        forbidden=banned,
+    )
+    mask = Mask.of(solved.mask)
+    if not any(mask):
+        last = max(k for k in range(len(banned)) if not banned[k])
+        mask = Mask.of([k == last for k in range(len(banned))])
+    predicted = model.predict(mask)
+    return Decision(
+        mask=mask,
+        importance=tuple(float(v) for v in importance),
+        predicted_seconds=predicted,
+        target_seconds=target_seconds,
+        starved=predicted > target_seconds,
     )
 
 
@@ -264,7 +276,7 @@ def _check_required_fit(
     resolution: int,
 ) -> None:
     indices = np.flatnonzero(pinned)
-    cost = selection_cost(pinned.tolist(), dw.tolist(), dy.tolist())
+    cost = backward_cost(pinned.tolist(), dw.tolist(), dy.tolist())
     if cost > budget:
         raise ValueError(
             f"The `required` tensors alone cost {cost:.6g}, more than the `budget` of {budget:.6g}. "

@@ -14,17 +14,27 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import get_args
 
 import hydra
-import lightning as L
 import torch
 import torch.nn.functional as F
-from _common import ConfigError, Problems, build_data_and_module, check_settings, exit_on_config_error, set_threads
 from omegaconf import DictConfig
 from torch import Tensor
 
+from elastic_zoo.recipe import (
+    ConfigError,
+    Problems,
+    build_data_and_module,
+    check_settings,
+    exit_on_config_error,
+    quiet_console,
+    seed_everything,
+    set_threads,
+)
 from lightning_elastic import TimingProfile, profile
 from lightning_elastic.inspection import profile_table
+from lightning_elastic.profiling import TimingMethod
 
 # Lightning precision settings -> the autocast dtype a training step runs under (None: no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {
@@ -43,7 +53,8 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> TimingProfile:
     """Check the config, build the module, profile it; print the table and write it to the output folder."""
-    L.seed_everything(cfg.seed, verbose=False)
+    quiet_console()
+    seed_everything(cfg)
     set_threads(cfg)
     problems = Problems()
     problems.messages += check_settings(cfg)
@@ -53,6 +64,8 @@ def run(cfg: DictConfig) -> TimingProfile:
     accelerator = str(cfg.device.accelerator)
     if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         problems.add("device", f"`accelerator` is {accelerator!r} but PyTorch sees no CUDA device: use device=cpu")
+    if cfg.time_model not in get_args(TimingMethod):
+        problems.add("top level", f"`time_model` must be one of {get_args(TimingMethod)}. Found: {cfg.time_model!r}")
     datamodule, module = build_data_and_module(cfg, problems, need_data=False)
     if problems.messages:
         raise ConfigError(problems.messages)

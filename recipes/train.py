@@ -6,8 +6,9 @@
 
 Composes `conf/train.yaml` with the groups and overrides given, checks the whole config up front (one message
 listing every problem), fits, tests, and prints: test accuracy, wall time, the measured per-step speedup, an
-energy estimate (wall time x the device config's power figure) and where the TensorBoard logs are. The summary
-is also written to `summary.json` in the run's output folder.
+energy estimate (wall time x the device config's power figure), the callback's comparison with training every
+tensor (`reporting.FitSummary`) and where the TensorBoard logs are. The summary is also written to `summary.json`
+in the run's output folder, and the selection map to `selection_map.png`; Lightning's noise is kept off the console.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import lightning as L
-from _common import Parts, build, exit_on_config_error, set_threads
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from PIL import Image
 
+from elastic_zoo.recipe import Parts, build, exit_on_config_error, quiet_console, seed_everything, set_threads
 from lightning_elastic import ElasticTensorSelection
+from lightning_elastic.reporting import FitSummary
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -40,7 +42,8 @@ def run(cfg: DictConfig) -> tuple[dict[str, Any], Parts]:
     Returns the summary and the trained parts.
     """
     started = time.perf_counter()
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    quiet_console()
+    seed_everything(cfg, workers=True)
     set_threads(cfg)
     parts = build(cfg)
     parts.trainer.fit(parts.module, datamodule=parts.datamodule)
@@ -50,6 +53,9 @@ def run(cfg: DictConfig) -> tuple[dict[str, Any], Parts]:
         output_dir = Path(cfg.paths.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        for callback in parts.callbacks:
+            if isinstance(callback, ElasticTensorSelection) and (image := callback.selection_map()) is not None:
+                Image.fromarray(image).save(output_dir / "selection_map.png")
         print(format_summary(summary))
     return summary, parts
 
@@ -76,6 +82,7 @@ def summarise(cfg: DictConfig, parts: Parts, test: Mapping[str, float], wall_sec
         if isinstance(callback, ElasticTensorSelection):
             summary["target_speedup"] = float(cfg.elastic.speedup)
             summary.update(callback.summary())
+            summary["elastic_report"] = callback.report().to_dict()
     log_dir = parts.logger.log_dir if parts.logger is not None else None
     if log_dir is not None and Path(log_dir).is_dir():  # fast_dev_run replaces loggers and writes nothing
         summary["tensorboard_dir"] = str(Path(log_dir))
@@ -96,7 +103,7 @@ def format_summary(summary: dict[str, Any]) -> str:
           measured speedup   n/a: every tensor trained (elastic=none)
           energy (estimate)  0.20 Wh = 72 s x 10 W (device.power_watts: an estimate, not a measurement)
           TensorBoard        none (no logger, or fast_dev_run)
-          run folder         out (config, log, summary.json)
+          run folder         out (config, log, summary.json, selection_map.png)
     """
     wall = summary["wall_seconds"]
     lines = [
@@ -110,12 +117,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary["elastic"] == "none":
         lines.append("  measured speedup   n/a: every tensor trained (elastic=none)")
     elif math.isfinite(speedup):
-        lines.append(
-            f"  measured speedup   {speedup:.2f}x per training step (target {summary['target_speedup']:g}x), "
-            f"{summary['selected_fraction']:.0%} of tensors trained at the last selection; elastic's own time: "
-            f"profile {summary['profile_seconds']:.0f} s, probes {summary['probe_seconds']:.0f} s, "
-            f"selections {summary['select_seconds']:.1f} s"
-        )
+        lines.append(FitSummary(**summary["elastic_report"]).table())
     else:
         lines.append("  measured speedup   n/a: no training step ran after a selection (run longer)")
     lines.append(
@@ -125,7 +127,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     board = summary["tensorboard_dir"]
     board_line = f"tensorboard --logdir {board}" if board else "none (no logger, or fast_dev_run)"
     lines.append(f"  TensorBoard        {board_line}")
-    lines.append(f"  run folder         {summary['output_dir']} (config, log, summary.json)")
+    lines.append(f"  run folder         {summary['output_dir']} (config, log, summary.json, selection_map.png)")
     return "\n".join(lines)
 
 

@@ -15,7 +15,6 @@ tensors are frozen and unfrozen again.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_elastic.callback
+import lightning_elastic.profiling.harness
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.distributed import selective_allreduce_state
-from lightning_elastic.profiler import TimingProfile
-from lightning_elastic.profiler import profile as real_profile
-from lightning_elastic.timing import StepTimer
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.profiling import profile as real_profile
 
 GLOBAL_BATCH = 16
 STEPS_PER_EPOCH = 8
@@ -110,33 +108,24 @@ def pinned_profile(module: nn.Module) -> TimingProfile:
 
 
 class PinTimings(Callback):
-    """The elastic callback profiles for real (backward passes outside DDP's forward included) but gets `profile`,
-    and every step it times lasts `profile.t_full`, its optimizer and probe overhead taking no time.
+    """The elastic callback profiles for real (backward passes outside DDP's forward included) but gets `profile`.
 
-    Patches the callback module in `setup`, so that it holds in the processes that `ddp_spawn` starts, and restores
-    it in `teardown`. The callback makes its step, optimizer and overhead timers in that order in `on_train_start`.
+    Patches the profiler where the callback calls it, in `setup`, so that it holds in the processes that `ddp_spawn`
+    starts, and restores it in `teardown`. With `calibrate=False` the callback then decides on `profile` alone.
     """
 
     def __init__(self, profile: TimingProfile) -> None:
         self.profile = profile
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        durations = itertools.cycle([self.profile.t_full, 0.0, 0.0])
-
-        def make_timer(device: torch.device) -> StepTimer:
-            ticks = itertools.count(0.0, next(durations))
-            return StepTimer(device, clock=lambda: next(ticks))
-
         def measure_then_pin(model: nn.Module, compute_loss: Any, **kwargs: Any) -> TimingProfile:
             real_profile(model, compute_loss, warmup=0, repeats=1, **kwargs)
             return self.profile
 
-        lightning_elastic.callback.StepTimer = make_timer  # type: ignore[misc,assignment]
-        lightning_elastic.callback.profile = measure_then_pin
+        lightning_elastic.profiling.harness.profile = measure_then_pin
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        lightning_elastic.callback.StepTimer = StepTimer  # type: ignore[misc]
-        lightning_elastic.callback.profile = real_profile
+        lightning_elastic.profiling.harness.profile = real_profile
 
 
 class Recorder(Callback):
@@ -176,7 +165,7 @@ class Recorder(Callback):
             "sent": self.sent,
             "full": self.full,
             "moved_while_frozen": self.moved_while_frozen,
-            "selections": [r["mask"] for r in elastic._history],
+            "selections": [r.mask.bits() for r in elastic.history],
             "numel": [p.numel() for p in pl_module.parameters()],
             "params": [p.detach().clone() for p in pl_module.parameters()],
         }
@@ -193,7 +182,13 @@ def fit(
     """Fit `TwoBranchNet` on `GLOBAL_BATCH` samples per step, split over `devices` processes; record every rank."""
     module = TwoBranchNet()
     elastic = ElasticTensorSelection(
-        speedup=SPEEDUP, interval=BLOCK_STEPS, interval_unit="step", probe_steps=2, train_never=[NEVER]
+        speedup=SPEEDUP,
+        interval=BLOCK_STEPS,
+        interval_unit="step",
+        probe_steps=2,
+        train_never=[NEVER],
+        cache_dir=False,
+        calibrate=False,
     )
     callbacks: list[Callback] = [PinTimings(pinned_profile(module)), elastic, Recorder(out)]
     if checkpoint_dir is not None:

@@ -59,18 +59,20 @@ def test_only_selected_tensors_train_and_selections_change() -> None:
     callback = elastic()
     recorder = Recorder()
     fit([callback, recorder], max_epochs=4)
-    assert len(callback._history) >= 5
+    assert len(callback.history) >= 5
     for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
         assert all(t or not c for t, c in zip(trainable, changed, strict=True)), "a frozen tensor changed"
-    # probe windows train everything; selections train a strict subset
-    probe = [t for s, t in zip(recorder.steps, recorder.trainable, strict=True) if s < 2 or s % 4 >= 2]
-    selected = [t for s, t in zip(recorder.steps, recorder.trainable, strict=True) if s >= 2 and s % 4 < 2]
+    # probe windows train everything; selections train a strict subset; no window opens for a selection at the
+    # fit's end (step 32), so steps 30 and 31 train the selection of step 28
+    in_window = [s < 2 or (s % 4 >= 2 and s < 30) for s in recorder.steps]
+    probe = [t for w, t in zip(in_window, recorder.trainable, strict=True) if w]
+    selected = [t for w, t in zip(in_window, recorder.trainable, strict=True) if not w]
     assert all(all(t) for t in probe)
     assert selected and all(not all(t) for t in selected)
-    masks = {r["mask"] for r in callback._history}
-    assert all(any(m) for m in callback._history[-1]["mask"])
+    masks = {r.mask for r in callback.history}
+    assert any(callback.history[-1].mask)
     summary = callback.summary()
-    assert summary["selections"] == len(callback._history)
+    assert summary["selections"] == len(callback.history)
     assert 0 < summary["selected_fraction"] < 1
     assert len(masks) >= 1
 
@@ -83,7 +85,8 @@ def test_probe_steps_are_ordinary_training_steps() -> None:
     fit([], module=plain, max_steps=3)
     torch.manual_seed(0)
     fit(
-        [ElasticTensorSelection(speedup=1.05, interval=10, interval_unit="step", probe_steps=3)],
+        # calibrate=False: a 3-step fit of probe steps alone cannot keep a wall-clock contract (refused otherwise)
+        [ElasticTensorSelection(speedup=1.05, interval=10, interval_unit="step", probe_steps=3, calibrate=False)],
         module=elastic_module,
         max_steps=3,
     )
@@ -122,7 +125,7 @@ def test_unreachable_speedup_fails_before_training_with_the_largest_reachable() 
         ({"speedup": float("inf")}, r"`speedup` must be a finite number > 1. Found: inf"),
         ({"interval": 0}, r"`interval` must be a positive int. Found: 0"),
         ({"interval_unit": "batch"}, r"`interval_unit` must be one of \('epoch', 'step'\). Found: 'batch'"),
-        ({"probe_steps": -1}, r"`probe_steps` must be a positive int. Found: -1"),
+        ({"probe_steps": -1}, r"`probe_steps` must be a positive int or 'auto'. Found: -1"),
         ({"time_model": "guess"}, r"`time_model` must be one of \('measured', 'flops'\). Found: 'guess'"),
         ({"bn_policy": "off"}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"),
         ({"train_always": "fc.*"}, r"`train_always` must be a list of non-empty name patterns. Found: 'fc.\*'"),
@@ -156,7 +159,7 @@ def test_fast_dev_run_too_short_for_the_schedule_trains_everything() -> None:
     callback, recorder = elastic(interval=1, interval_unit="epoch", probe_steps=2), Recorder()
     fit([callback, recorder], fast_dev_run=True)
     assert recorder.steps == [0] and all(recorder.trainable[0]) and any(recorder.changed[0])
-    assert callback._history == [] and callback.summary()["selections"] == 0
+    assert callback.history == () and callback.summary()["selections"] == 0
 
 
 def test_a_callback_off_in_a_fast_dev_run_selects_in_the_next_fit() -> None:
@@ -164,16 +167,17 @@ def test_a_callback_off_in_a_fast_dev_run_selects_in_the_next_fit() -> None:
     fit([callback], fast_dev_run=True)
     recorder = Recorder()
     fit([callback, recorder], max_epochs=2)
-    assert [r["epoch"] for r in callback._history] == [0, 1]
+    assert [r.epoch for r in callback.history] == [0, 1]
     assert any(not all(t) for t in recorder.trainable)  # selected steps between the probe windows
 
 
 def test_fast_dev_run_long_enough_for_the_schedule_selects() -> None:
     callback, recorder = elastic(probe_steps=1, interval=3), Recorder()
     fit([callback, recorder], fast_dev_run=3)
-    # steps 0 and 2 probe, each followed by a selection; step 1 trains the first selection
-    assert [r["step"] for r in callback._history] == [1, 3]
-    assert all(recorder.trainable[0]) and not all(recorder.trainable[1]) and all(recorder.trainable[2])
+    # step 0 probes and is followed by a selection that trains steps 1 and 2: no window opens for a selection at
+    # the fit's end (step 3), which nothing would train
+    assert [r.step for r in callback.history] == [1]
+    assert all(recorder.trainable[0]) and not all(recorder.trainable[1]) and not all(recorder.trainable[2])
 
 
 class ManualNet(TinyNet):
@@ -205,14 +209,16 @@ def test_several_optimizers_are_refused() -> None:
 def test_epoch_mode_selects_as_epochs_start() -> None:
     callback = elastic(interval=1, interval_unit="epoch")
     fit([callback], max_epochs=3)  # 8 optimizer steps per epoch
-    assert [(r["step"], r["epoch"]) for r in callback._history] == [(2, 0), (8, 1), (16, 2)]
+    assert [(r.step, r.epoch) for r in callback.history] == [(2, 0), (8, 1), (16, 2)]
 
 
 def test_gradient_accumulation_counts_optimizer_steps() -> None:
     callback = elastic()
     recorder = Recorder()
     fit([callback, recorder], max_epochs=2, accumulate_grad_batches=2)
-    assert [r["step"] for r in callback._history] == [2, 4, 8]
+    # 8 optimizer steps: the window [2, 4) would overwrite a selection at step 2 before it trains, so the first
+    # window runs on to step 4; no window for a selection at the end
+    assert [r.step for r in callback.history] == [4]
     for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
         assert all(t or not c for t, c in zip(trainable, changed, strict=True))
 
@@ -220,8 +226,8 @@ def test_gradient_accumulation_counts_optimizer_steps() -> None:
 def test_bf16_mixed_precision_measures_finite_importance() -> None:
     callback = elastic()
     fit([callback], max_epochs=1, precision="bf16-mixed")
-    assert callback._history
-    assert all(torch.isfinite(torch.tensor(r["importance"])).all() for r in callback._history)
+    assert callback.history
+    assert all(torch.isfinite(torch.tensor(r.decision.importance)).all() for r in callback.history)
 
 
 def test_gradient_clipping_and_lr_scheduler() -> None:
@@ -233,7 +239,8 @@ def test_gradient_clipping_and_lr_scheduler() -> None:
     callback = elastic()
     recorder = Recorder()
     fit([callback, recorder], module=Scheduled(), max_epochs=1, gradient_clip_val=0.5)
-    assert [r["step"] for r in callback._history] == [2, 4, 8]
+    # the first window runs on to step 4 (a selection at 2 would not train a step); none for the fit's end (step 8)
+    assert [r.step for r in callback.history] == [4]
     for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
         assert all(t or not c for t, c in zip(trainable, changed, strict=True))
 
@@ -242,14 +249,17 @@ def test_bn_policy_freeze_keeps_frozen_statistics() -> None:
     callback = elastic(interval=50, bn_policy="freeze", train_never=["net.1.*"])
     module = TinyNet()
     stats: list[torch.Tensor] = []
+    modes: list[bool] = []
 
     class Watch(Callback):
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
             stats.append(module.net[1].running_mean.clone())
+            modes.append(module.net[1].training)
 
     fit([callback, Watch()], module=module, max_steps=6)
-    assert not module.net[1].training
+    assert modes[2:] == [False] * 4  # in eval mode from the first selection on (after step 2)
     assert torch.equal(stats[2], stats[-1])  # frozen from the first selection on (after step 2)
+    assert module.net[1].training  # the user's mode is given back when the fit ends
 
 
 def test_compiled_module_runs_the_new_selection() -> None:
@@ -261,6 +271,9 @@ def test_compiled_module_runs_the_new_selection() -> None:
     for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
         assert all(t or not c for t, c in zip(trainable, changed, strict=True))
     assert any(not all(t) for t in recorder.trainable)
+    changes = sum(1 for a, b in zip(recorder.trainable, recorder.trainable[1:], strict=False) if a != b)
+    graphs = callback.summary()["compiled_graphs"]
+    assert changes == 3 and 1 + changes <= graphs <= 3 * (1 + changes)  # counted, and bounded by the changes
 
 
 class ListLogger(Logger):
@@ -289,18 +302,41 @@ def test_metrics_reach_every_logger_and_tensorboard(tmp_path: Path) -> None:
     board = TensorBoardLogger(tmp_path)
     fit([callback], max_epochs=2, logger=[memory, board])
     logged = [m for _, m in memory.metrics if "elastic/selected_fraction" in m]
-    assert len(logged) == len(callback._history)
-    for metrics, record in zip(logged, callback._history, strict=True):
-        assert metrics["elastic/selected_fraction"] == record["mask"].count("1") / len(record["mask"])
-        assert metrics["elastic/predicted_step_ms"] == pytest.approx(record["predicted_seconds"] * 1e3)
+    assert len(logged) == len(callback.history)
+    for metrics, record in zip(logged, callback.history, strict=True):
+        assert metrics["elastic/selected_fraction"] == record.mask.count(True) / len(record.mask)
+        assert metrics["elastic/predicted_step_ms"] == pytest.approx(record.decision.predicted_seconds * 1e3)
     assert any("elastic/measured_speedup" in m for _, m in memory.metrics)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(board.log_dir), size_guidance={"images": 0, "tensors": 0, "histograms": 0})
     events.Reload()
-    assert len(events.Images("elastic/selection")) == len(callback._history)
+    assert len(events.Images("elastic/selection")) == len(callback.history)
     assert "elastic/importance" in events.Tags()["histograms"]
     assert {"elastic/profile/text_summary", "elastic/selection/text_summary"} <= set(events.Tags()["tensors"])
+    # the selection map: the last image is the whole fit's map, at its bounded size
+    image = callback.selection_map()
+    assert image is not None and image.shape[1] >= 560
+    last = events.Images("elastic/selection")[-1]
+    assert (last.height, last.width) == image.shape[:2]
+    # the selection in words, with the names of the trained tensors, once per selection
+    texts = events.Tensors("elastic/selection/text_summary")
+    assert len(texts) == len(callback.history)
+    names = callback.timing_profile.names if callback.timing_profile else ()
+    for event, record in zip(texts, callback.history, strict=True):
+        text = event.tensor_proto.string_val[0].decode()
+        assert all(name in text for name in record.mask.trained(names))
+    # the charts of the Custom Scalars tab
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for c in layout.category for chart in c.chart}
+    assert charts["wall-clock contract: planned vs spent (s)"] == ["elastic/planned_seconds", "elastic/spent_seconds"]
+    assert len(charts) == 4
+    # the importance of the top tensors, tagged by name
+    top = max(range(len(names)), key=lambda k: callback.history[-1].decision.importance[k])
+    assert f"elastic/importance/{names[top]}" in events.Tags()["scalars"]
 
 
 class Crash(Callback):
@@ -342,6 +378,26 @@ def test_resume_mid_interval_keeps_the_mask_in_force(tmp_path: Path) -> None:
     assert state["history"][-1]["mask"] == "".join("1" if m else "0" for m in state["mask"])
     # the schedule goes on where it was: the next probe window opens at step 10, the next selection at 12
     assert all(resumed_recorder.trainable[resumed_recorder.steps.index(10)])
-    assert [r["step"] for r in resumed._history] == [2, 6, 12]
+    assert [r.step for r in resumed.history] == [2, 6, 12]
     # and the run before the crash trained exactly what an uninterrupted run trains
     assert reference_recorder.trainable[:10] == crashed_recorder.trainable[:10]
+
+
+class ProgressBarReader(Callback):
+    """What the progress bar shows at each batch start (after the callback's hook: the figures of this step)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen.append({k: float(v) for k, v in trainer.progress_bar_metrics.items()})
+
+
+def test_progress_bar_shows_the_phase_and_the_trained_share() -> None:
+    callback, reader, recorder = elastic(), ProgressBarReader(), Recorder()
+    fit([callback, reader, recorder], max_epochs=2)
+    assert len(reader.seen) == len(recorder.trainable) == 16
+    for bar, trainable in zip(reader.seen, recorder.trainable, strict=True):
+        probing = all(trainable)  # the tiny model's selections never train every tensor
+        assert bar["elastic/probing"] == float(probing)
+        assert bar["elastic/trained"] == pytest.approx(sum(trainable) / len(trainable))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_elastic.profiler import TimingProfile
+from lightning_elastic.profiling import TimingProfile
 
 
 class TinyNet(L.LightningModule):

@@ -1,16 +1,12 @@
-"""Recipe tests import the recipes' shared helpers as `_common`, the way `python recipes/train.py` finds them."""
+"""Recipe tests compose afresh; they import the recipes' helpers from `elastic_zoo.recipe` and a recipe as `recipes.<name>`."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 from hydra.core.global_hydra import GlobalHydra
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""`recipes/benchmark.py`: its configs, its tables from known runs, and the real command line on tiny fake data."""
+"""`recipes/benchmark.py` and `elastic_zoo.benchmark`: its configs, its tables from known runs, and the real command line on tiny fake data."""
 
 from __future__ import annotations
 
@@ -12,26 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmark import (
-    Method,
-    benchmark_problems,
-    markdown_report,
-    methods_of,
-    run_config,
-    table_rows,
-    time_to_accuracy,
-)
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_elastic.zoo.models import tiny_cnn
-from lightning_elastic.zoo.module import ImageClassifier
+from elastic_zoo.benchmark.methods import Method, benchmark_problems, methods_of, run_config
+from elastic_zoo.benchmark.report import markdown_report, table_rows, time_to_accuracy
+from elastic_zoo.models import tiny_cnn
+from elastic_zoo.module import ImageClassifier
 from tests.integration.tiny import synthetic_profile
 from tests.recipes.recipe_fakes import CONF, REPO, compose_config, fake_fashion_mnist
 
 PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
 CSV_COLUMNS = [
-    "method", "seed", "wall_s", "speedup_vs_full", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
+    "method", "seed", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
+    "overhead_share", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
     "final_acc", "test_acc", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
     "total_tensors", "offline_s", "profile_s", "probe_s", "select_s", "freeze_s", "full_step_ms", "selected_step_ms",
     "step_fraction", "step_vs_full_run", "predicted_step_ms", "selections", "changed_selections", "mean_tensors_changed",
@@ -50,7 +44,8 @@ def test_every_preset_composes_into_runs_that_differ_only_in_method_and_seed(
     elastic = run_config(cfg, methods[-1], 7)
     assert full["seed"] == elastic["seed"] == full["dataset"]["seed"] == 7
     assert full["elastic"]["_target_"] is None and elastic["elastic"]["speedup"] == methods[-1].speedup
-    assert elastic["elastic"]["cache_dir"] is None  # every elastic run profiles, inside its measured wall clock
+    # every elastic run profiles into a folder of its own (empty: a first run), inside its measured wall clock
+    assert elastic["elastic"]["cache_dir"] == str(tmp_path / "profiles" / f"{methods[-1].profile_folder}_seed_7")
     assert (full["logger"]["name"], full["logger"]["version"]) == (methods[0].name, "seed_7")
     assert full["paths"]["output_dir"] == str(tmp_path)
     same = {k for k in full if full[k] == elastic[k]}
@@ -97,7 +92,7 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     elastic = {
         "elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "select_seconds": 0.01, "full_step_seconds": 0.4,
                     "selected_step_seconds": 0.2, "measured_speedup": 2.0, "selections": 3.0},
-        "freeze_seconds": 0.002, "mask_changes": [0, 2],
+        "freeze_seconds": 0.002, "mask_changes": [0, 2], "speedup": 2.0,
     }  # fmt: skip
     runs = [
         _run("full", "full", 0, 100.0, [0.5, 0.8, 0.9]),
@@ -117,12 +112,16 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     assert by["elastic_2x", 0]["step_fraction"] == 0.5 and by["elastic_2x", 0]["changed_selections"] == 1
     assert by["elastic_2x", 1]["step_vs_full_run"] == pytest.approx(0.2 / 6.0)  # full's mean step: 120 s / 20
     assert by["elastic_2x", 0]["energy_wh"] == 1.0
+    # the contract's figure leaves validation (1 s in every run) out: (100 - 1) / (50 - 1)
+    assert by["elastic_2x", 0]["train_speedup_vs_full"] == pytest.approx(99 / 49)
+    assert by["elastic_2x", 0]["overhead_share"] == pytest.approx((3.0 + 2.0 + 0.01 + 0.002) / 49)
     cfg = compose_config(["benchmark.seeds=[0,1]"], tmp_path, name="benchmark")
     report = markdown_report(cfg, rows, 60.0)
-    row = "| elastic_2x | 50 ± 0% | 55.0 ± 7.1 | 2.00 ± 0.00 | 2750 ± 354 | 79.8 ± 13.8 | 79.5 ± 13.4 | 79.5 ± 13.4 "
+    row = "| elastic_2x | 50 ± 0% | 55.0 ± 7.1 | 2.00 ± 0.00 | 2.02 ± 0.00 | 2750 ± 354 | 79.8 ± 13.8 | 79.5 ± 13.4 | 79.5 ± 13.4 "
     assert row + "| 46.7 ± 18.9 | 100 ± 0 | 1.000 ± 0.000 |" in report
     assert "| 30.0 (1/2) |" in report  # only the second seed of head_only reaches its target: counted apart
     assert "- end-to-end wall clock >= 1.8x faster than full fine-tuning: 2.00x, met" in report
+    assert "- elastic_2x: asked 2x, got 2.02 ± 0.00x: met" in report
     assert "- final accuracy within 1 point of full fine-tuning: 79.5% vs 80.0% (-0.5), met" in report
     assert "- final accuracy above head_only (step 1250 ms vs 2750 ms): 79.5% vs 65.0%, met" in report
     assert "- selected step <= 0.55 of the full step measured in the same run: 0.500, met (against the full " in report
@@ -144,7 +143,7 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
     fake_fashion_mnist(tmp_path / "fmnist", train=240, test=48)
     # A fixed timing profile for the static and elastic selections, used alone (no calibration with measured
     # steps): the tiny CNN's measured times are mostly noise, and the decisions are then the same in every run.
-    module = ImageClassifier(tiny_cnn(num_classes=3), num_classes=3)
+    module = ImageClassifier(tiny_cnn(num_classes=10), num_classes=10)  # Fashion-MNIST: the profile must fit the model
     (tmp_path / "profile.json").write_text(json.dumps(synthetic_profile(module).to_dict()))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [
@@ -193,3 +192,14 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
     per_run = EventAccumulator(str(run / "tensorboard" / "elastic_1.5x" / "seed_0"), size_guidance={"images": 0})
     per_run.Reload()
     assert len(per_run.Images("elastic/selection")) == 1 and per_run.Scalars("val/acc")
+
+
+def test_a_cached_elastic_run_reads_the_profile_its_first_run_left(tmp_path: Path) -> None:
+    cfg = compose_config(["benchmark=contract"], tmp_path, name="benchmark")
+    methods = {m.name: m for m in methods_of(cfg)}
+    first, cached = methods["elastic_2x"], methods["elastic_2x_cached"]
+    assert cached.cached and not first.cached and list(methods).index("elastic_2x_cached") > list(methods).index("elastic_2x")
+    assert run_config(cfg, first, 3)["elastic"]["cache_dir"] == run_config(cfg, cached, 3)["elastic"]["cache_dir"]
+    assert run_config(cfg, first, 3)["elastic"]["cache_dir"] != run_config(cfg, methods["elastic_3x"], 3)["elastic"]["cache_dir"]
+    cfg.benchmark.elastic_cached_speedups = [2.5]
+    assert any("`elastic_cached_speedups` must be distinct speedups among" in p for p in benchmark_problems(cfg))

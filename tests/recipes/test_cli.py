@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train import format_summary
 
-from lightning_elastic.zoo.models import tiny_cnn
-from lightning_elastic.zoo.module import ImageClassifier
+from elastic_zoo.models import tiny_cnn
+from elastic_zoo.module import ImageClassifier
+from recipes.train import format_summary
 from tests.recipes.recipe_fakes import REPO
 
 
@@ -23,6 +23,8 @@ def test_no_recipe_shadows_a_standard_module() -> None:
     # `profile` module that cProfile, and so Lightning, imports.
     names = {path.stem for path in (REPO / "recipes").glob("*.py")}
     assert names & set(sys.stdlib_module_names) == set()
+    # The same holds for `python benchmarks/x.py`.
+    assert {path.stem for path in (REPO / "benchmarks").glob("*.py")} & set(sys.stdlib_module_names) == set()
 
 
 def run_recipe(script: str, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -56,6 +58,24 @@ def test_train_command_fine_tunes_tests_and_prints_the_summary(tmp_path: Path) -
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert format_summary(summary) in result.stdout
     assert "Epoch 1: 100%" in result.stdout  # the progress bar
+    # a quiet console: no cloud tips, no accelerators the machine lacks, no warnings from inside Lightning
+    assert "Tip:" not in result.stdout + result.stderr and "TPU available" not in result.stdout + result.stderr
+    assert "LeafSpec" not in result.stderr
+    # the summary table against the callback's own accounting: 12 steps, each full step at the measured cost
+    report = summary["elastic_report"]
+    assert report["steps"] == 12 and report["selections"] == summary["selections"] == 2
+    assert report["full_fit_seconds"] == pytest.approx(12 * report["full_step_seconds"])
+    assert report["fit_speedup"] == pytest.approx(report["full_fit_seconds"] / report["spent_seconds"])
+    assert report["spent_seconds"] == summary["spent_seconds"] and report["fit_speedup"] == summary["fit_speedup"]
+    table = {line[:21].strip(): line[21:] for line in result.stdout.splitlines() if line.startswith("  ")}
+    assert table["fit speedup"].startswith(
+        f"{report['fit_speedup']:.2f}x (asked 1.25x, {'met' if not report['shortfall'] else 'NOT met'}): "
+        f"{report['spent_seconds']:.1f} s spent against {report['full_fit_seconds']:.1f} s"
+    )
+    overhead = sum(report[k] for k in ("profile_seconds", "probe_seconds", "select_seconds", "apply_seconds"))
+    assert table["elastic's own time"].startswith(f"{overhead:.1f} s")
+    assert table["per-step speedup"].startswith(f"{report['measured_speedup']:.2f}x")
+    assert (tmp_path / "run" / "selection_map.png").stat().st_size > 2_000
     assert 0 < summary["wall_seconds"] < elapsed
     # Two epochs, a selection at the start of each: after the 2-step probe, then at the second epoch's start.
     assert summary["selections"] == 2 and summary["epochs"] == 2
@@ -125,3 +145,44 @@ def test_profile_command_prints_and_saves_the_timing_table(tmp_path: Path) -> No
     table = (tmp_path / "profile.md").read_text()
     assert table in result.stdout
     assert all(f"| {name} |" in table for name in expected)
+
+
+def test_profile_command_checks_its_values_up_front(tmp_path: Path) -> None:
+    # A misspelt `time_model` used to reach `profile(...)` and end in a ValueError's traceback (exit 1).
+    result = run_recipe(
+        "profile_model.py", "model=tiny", "time_model=flop", "device.threads=0", f"hydra.run.dir={tmp_path}"
+    )
+    assert config_error_lines(result) == [
+        "The configuration has 2 problems; nothing was run:",
+        "  - device: `threads` must be a positive int or null. Found: 0",
+        "  - top level: `time_model` must be one of ('measured', 'flops'). Found: 'flop'",
+        "docs/errors.md says what to do about each.",
+    ]
+    assert not (tmp_path / "profile.json").exists()
+
+
+def test_train_command_checks_the_seed_and_thread_count_before_applying_them(tmp_path: Path) -> None:
+    # `device.threads=0` used to reach `torch.set_num_threads` first and end in a RuntimeError's traceback.
+    # `seed=abc` reached Lightning's `seed_everything` first and ended in a ValueError's traceback.
+    result = run_recipe(
+        "train.py",
+        "model=tiny",
+        "seed=abc",
+        "device.threads=0",
+        "elastic.speedup=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert config_error_lines(result) == [
+        "The configuration has 3 problems; nothing was run:",
+        "  - top level: `seed` must be an int from 0 to 4294967295. Found: 'abc'",
+        "  - device: `threads` must be a positive int or null. Found: 0",
+        "  - elastic: `speedup` must be a finite number > 1. Found: 1",
+        "docs/errors.md says what to do about each.",
+    ]
+
+
+def config_error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """The config error of a command that must end with exit status 2 and no traceback, line by line."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result.stderr[result.stderr.index("The configuration has") :].strip().splitlines()

@@ -7,19 +7,20 @@ import re
 from pathlib import Path
 
 import pytest
-from _common import ConfigError, build, check_settings
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from lightning_elastic.zoo.module import ImageClassifier
+from elastic_zoo.module import ImageClassifier
+from elastic_zoo.recipe import ConfigError, build, check_settings
 from tests.recipes.recipe_fakes import CONF, compose_config
 
-GROUPS = ("device", "model", "dataset", "elastic", "trainer", "logger", "paths", "experiment")
+GROUPS = ("device", "model", "dataset", "module", "elastic", "trainer", "logger", "paths", "experiment", "debug")
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 EXPERIMENTS = [name for group, name in OPTIONS if group == "experiment"]
 MODELS = [name for group, name in OPTIONS if group == "model"]
+DEBUGS = [name for group, name in OPTIONS if group == "debug"]
 
 
 def test_every_group_has_its_options() -> None:
@@ -29,6 +30,8 @@ def test_every_group_has_its_options() -> None:
     assert names["dataset"] == {"elpv", "oxford_pets", "cub200", "fashion_mnist", "image_folder"}
     assert names["elastic"] == {"default", "none"}
     assert {"demo", "resnet50_cub200", "mobilenet_v2_pets", "vit_pets", "lite0_fashion_mnist"} <= names["experiment"]
+    assert names["module"] == {"image_classifier"}
+    assert names["debug"] == {"default", "fdr", "limit"}
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -69,6 +72,29 @@ def test_experiments_open_with_the_command_that_runs_them(name: str) -> None:
     # Hydra reads `@package` only from the header, so the command is the first line after it.
     assert lines[0] == "# @package _global_"
     assert lines[1].startswith(f"# Run: python recipes/train.py experiment={name}")
+
+
+@pytest.mark.parametrize("name", DEBUGS)
+def test_debug_options_open_with_the_command_that_runs_them(name: str) -> None:
+    lines = (CONF / "debug" / f"{name}.yaml").read_text().splitlines()
+    assert lines[0] == "# @package _global_"
+    assert lines[1].startswith(f"# Run: python recipes/train.py debug={name}")
+
+
+@pytest.mark.parametrize(
+    ("option", "fast_dev_run", "epochs", "train_batches", "probe_steps"),
+    [("default", False, 1, None, "auto"), ("fdr", 3, 1, None, 1), ("limit", False, 2, 6, 2)],
+)
+def test_debug_options_set_a_quick_deterministic_run_without_logger(
+    option: str, fast_dev_run: bool | int, epochs: int, train_batches: int | None, probe_steps: int | str, tmp_path: Path
+) -> None:
+    # Applied last, over an experiment: the experiment's own epochs and logger give way.
+    cfg = compose_config(["experiment=demo", f"debug={option}"], output_dir=tmp_path)
+    trainer = cfg.trainer
+    assert (trainer.fast_dev_run, trainer.max_epochs, trainer.limit_train_batches) == (fast_dev_run, epochs, train_batches)
+    assert (trainer.deterministic, trainer.enable_checkpointing, cfg.logger._target_) == (True, False, None)
+    assert (cfg.elastic.probe_steps, cfg.dataset.num_workers, cfg.task_name) == (probe_steps, 0, "debug")
+    assert cfg.module.lr == 3.0e-4  # the rest of the experiment stays
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -129,3 +155,9 @@ def test_a_head_pattern_that_matches_nothing_is_reported(tmp_path: Path) -> None
         "model: `head` must match the names of the head's parameters in the LightningModule, such as "
         "'model.10.bias'. Found: 'model._fc.*'"
     ]
+
+
+@pytest.mark.parametrize(("override", "shown"), [("seed=-1", "-1"), ("seed=abc", "'abc'"), ("seed=1.5", "1.5"), ("seed=null", "None"), ("seed=4294967296", "4294967296")])
+def test_a_seed_numpy_cannot_take_is_reported(override: str, shown: str, tmp_path: Path) -> None:
+    cfg = compose_config([override], output_dir=tmp_path)
+    assert check_settings(cfg) == [f"top level: `seed` must be an int from 0 to 4294967295. Found: {shown}"]

@@ -408,6 +408,35 @@ def test_call_order_is_checked() -> None:
         evaluator.after_step()
 
 
+@pytest.mark.parametrize("gradient", ["before", "average"])
+def test_non_finite_steps_are_left_out_and_counted(gradient: Gradient) -> None:
+    """A NaN gradient in tensor 0 at step 1 (the step skipped, as GradScaler does): that step of tensor 0 neither
+    adds to its sum nor to its count, so its importance per step is the mean of its finite steps alone."""
+    model = mlp()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    evaluator = ImportanceEvaluator(params, gradient=gradient)
+    steps: list[float] = []
+    for step, (x, y) in enumerate(batches(3)):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if step == 1:
+            params[0].grad[0, 0] = float("nan")  # type: ignore[index]
+        g, w = params[0].grad.clone(), params[0].detach().clone()  # type: ignore[union-attr]
+        evaluator.before_step()
+        if step != 1:
+            optimizer.step()
+            steps.append(float(-(g * (params[0].detach() - w)).sum()))
+        evaluator.after_step()
+    evaluator.finish()
+    assert evaluator.counts[0] == 2 and evaluator.counts[1:] == [3] * (len(params) - 1)
+    assert evaluator.nonfinite == [1] + [0] * (len(params) - 1)
+    assert torch.isfinite(evaluator.importance).all()
+    assert float(evaluator.importance[0]) / evaluator.counts[0] == pytest.approx(sum(steps) / 2, rel=1e-9)
+    evaluator.reset()
+    assert evaluator.nonfinite == [0] * len(params)
+
+
 def test_sparse_gradients_are_rejected() -> None:
     embedding = nn.Embedding(4, 2, sparse=True)
     embedding(torch.tensor([1])).sum().backward()
@@ -450,3 +479,35 @@ def test_true_loss_drop_on_a_quadratic() -> None:
         true_loss_drop(loss, [a], [torch.zeros(1)])
     with pytest.raises(ValueError, match=r"one entry per tensor of `params` \(2\). Found: 1"):
         true_loss_drop(loss, [a, b], [None])
+
+
+def test_the_default_evaluator_holds_no_copy_of_the_weights() -> None:
+    """Memory: around each step the "before" evaluator creates no tensor larger than a 64K-element chunk, however
+    large the parameters (the other modes keep one copy of each trained tensor for the after-gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in ptrs:
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    model = nn.Linear(512, 512, dtype=torch.float32)  # 262144 weights: four chunks
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for gradient, largest in (("before", 1 << 16), ("average", 512 * 512)):
+        evaluator = ImportanceEvaluator(list(model.parameters()), gradient=gradient)  # type: ignore[arg-type]
+        model(torch.ones(2, 512)).square().mean().backward()
+        ptrs |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+        with Largest() as mode:
+            evaluator.before_step()
+            optimizer.step()
+            evaluator.after_step()
+        optimizer.zero_grad(set_to_none=False)
+        assert mode.numel == largest, gradient

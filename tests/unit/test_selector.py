@@ -9,7 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from lightning_elastic.selector import Selection, select, selection_cost
+from lightning_elastic.selector import Selection, select
+from lightning_elastic.time_model import backward_cost
 
 
 def all_masks(n: int) -> np.ndarray:
@@ -104,7 +105,7 @@ def test_integer_instances_match_brute_force() -> None:
         assert s.importance == expected[0], context
         assert s.cost == expected[1], context
         assert s.cost <= budget, context
-        assert s.cost == selection_cost(s.mask, t_dw.tolist(), t_dy.tolist()), context
+        assert s.cost == backward_cost(s.mask, t_dw.tolist(), t_dy.tolist()), context
         assert s.importance == sum(v for v, m in zip(importance, s.mask, strict=True) if m), context
         assert all(s.mask[k] for k in np.flatnonzero(required)), context
         assert not any(s.mask[k] for k in np.flatnonzero(forbidden)), context
@@ -133,7 +134,7 @@ def test_float_instances_are_optimal_on_the_grid_and_within_budget() -> None:
         s = select(t_dw.tolist(), t_dy.tolist(), importance.tolist(), budget, resolution)
         context = f"case {case}: resolution={resolution} -> {s}"
         assert s.cost <= budget, context
-        assert selection_cost(s.mask, t_dw.tolist(), t_dy.tolist()) <= budget, context
+        assert backward_cost(s.mask, t_dw.tolist(), t_dy.tolist()) <= budget, context
         assert s.importance == pytest.approx(on_grid[0], abs=1e-9), context
         assert s.importance <= true[0] + 1e-9, context
 
@@ -239,14 +240,14 @@ def test_empty_problem() -> None:
     assert select([], [], [], budget=1.0) == Selection(mask=(), importance=0.0, cost=0.0)
 
 
-def test_selection_cost_by_hand() -> None:
+def test_backward_cost_by_hand() -> None:
     t_dw, t_dy = [1.0, 2.0, 4.0, 8.0], [16.0, 32.0, 64.0, 128.0]
     # Deepest selected is 1: t_dw[1] + t_dw[3] + t_dy[2] + t_dy[3].
-    assert selection_cost([False, True, False, True], t_dw, t_dy) == 2.0 + 8.0 + 64.0 + 128.0
-    assert selection_cost([True, False, False, False], t_dw, t_dy) == 1.0 + 32.0 + 64.0 + 128.0
-    assert selection_cost([False] * 4, t_dw, t_dy) == 0.0
+    assert backward_cost([False, True, False, True], t_dw, t_dy) == 2.0 + 8.0 + 64.0 + 128.0
+    assert backward_cost([True, False, False, False], t_dw, t_dy) == 1.0 + 32.0 + 64.0 + 128.0
+    assert backward_cost([False] * 4, t_dw, t_dy) == 0.0
     with pytest.raises(ValueError, match=r"`mask`, `t_dw` and `t_dy` must have the same length. Found: 3, 4 and 4"):
-        selection_cost([True] * 3, t_dw, t_dy)
+        backward_cost([True] * 3, t_dw, t_dy)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,181 @@
+"""The usual fine-tuning baselines that elastic tensor selection is compared with: which tensors each one trains.
+
+Each policy is a pure function from the module (and, for the static selection, a timing profile) to the names of
+the parameters to train; `TrainOnly` is the thin callback that applies such a set before the optimizer is built,
+so the optimizer holds only the trained tensors, as a user of the baseline would write it.
+
+- head only: the new classifier, everything else frozen;
+- BitFit-like: the head, every bias and every normalisation layer's scale and shift;
+- static last k: the head and the last k tensors (nearest the output), k the largest whose predicted training
+  step fits `1 / speedup` of a full step under the same time model the elastic selection uses, chosen once;
+- Lightning's `BackboneFinetuning` needs a `backbone` attribute: `attach_backbone` gives the module one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from typing_extensions import override
+
+from lightning_elastic.freezing import match_patterns
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.time_model import StepTimeModel
+
+# Layers whose parameters are a scale and a shift of normalised activations: BitFit trains them with the biases.
+_NORM_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.modules.instancenorm._InstanceNorm,
+)
+
+
+def head_only(module: nn.Module, head: Sequence[str]) -> list[str]:
+    """Names of the parameters matching the shell-style `head` patterns: the classifier, trained alone.
+
+    Example:
+        >>> head_only(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(4, 2)), ["1.*"])
+        ['1.weight', '1.bias']
+    """
+    names = [name for name, _ in module.named_parameters()]
+    return [n for n, keep in zip(names, match_patterns(names, head, "head"), strict=True) if keep]
+
+
+def bitfit(module: nn.Module, head: Sequence[str]) -> list[str]:
+    """Names of the head's parameters, every bias, and the scale and shift of every normalisation layer.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.Linear(4, 2))
+        >>> bitfit(net, ["3.*"])
+        ['1.weight', '1.bias', '2.bias', '3.weight', '3.bias']
+    """
+    norm = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, layer in module.named_modules()
+        if isinstance(layer, _NORM_LAYERS)
+        for name, _ in layer.named_parameters(recurse=False)
+    }
+    heads = set(head_only(module, head))
+    return [
+        name
+        for name, _ in module.named_parameters()
+        if name in heads or name in norm or name.rsplit(".", 1)[-1] == "bias"
+    ]
+
+
+def last_k_within_budget(profile: TimingProfile, speedup: float, head: Sequence[str] = ()) -> list[str]:
+    """The head and the largest suffix of tensors (forward order) whose predicted step fits `1 / speedup` of full.
+
+    The prediction is `StepTimeModel.from_profile(profile)`, the time model the elastic selection optimises; a
+    step training more of the suffix never costs less, so the search stops at the first suffix over the budget.
+
+    Raises:
+        ValueError: when `speedup` is not > 1, or the head alone does not fit the budget.
+
+    Example:
+        >>> p = TimingProfile(names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=2.0,
+        ...     t_full=7.0, device="cpu", fingerprint="f", unused=(), method="measured", numel=(1, 1, 1))
+        >>> last_k_within_budget(p, speedup=1.5, head=["c"])
+        ['b', 'c']
+    """
+    if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not speedup > 1:
+        raise ValueError(f"`speedup` must be a number > 1. Found: {speedup!r}")
+    model = StepTimeModel.from_profile(profile)
+    limit = model.full / speedup
+    required = match_patterns(profile.names, head, "head")
+    n = len(profile.names)
+    best: tuple[bool, ...] | None = None
+    for k in range(n + 1):
+        mask = tuple(required[i] or i >= n - k for i in range(n))
+        if not any(mask):
+            continue
+        if model.predict(mask) > limit:
+            break
+        best = mask
+    if best is None:
+        floor = model.predict(required) if any(required) else model.predict([i == n - 1 for i in range(n)])
+        raise ValueError(
+            f"`speedup` must be at most {model.full / floor:.2f} for a static selection of this model: the head "
+            f"(or the last tensor) alone takes {floor / model.full:.0%} of a full step. Found: {speedup:g}"
+        )
+    return [name for name, keep in zip(profile.names, best, strict=True) if keep]
+
+
+def train_only(module: nn.Module, names: Iterable[str]) -> int:
+    """Let only the parameters named in `names` require grad; returns how many do.
+
+    Raises:
+        ValueError: when a name is not a parameter of `module`.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> train_only(net, ["bias"]), net.weight.requires_grad
+        (1, False)
+    """
+    wanted = set(names)
+    params = dict(module.named_parameters())
+    unknown = sorted(wanted - set(params))
+    if unknown:
+        raise ValueError(f"`names` must be parameter names of the module. Found unknown names: {unknown[:5]}")
+    for name, param in params.items():
+        param.requires_grad_(name in wanted)
+        if name not in wanted:
+            param.grad = None
+    return len(wanted)
+
+
+class TrainOnly(Callback):
+    """Freezes every parameter not named in `names` as fitting starts, before the optimizer is built.
+
+    The zoo's `ImageClassifier` (like most fine-tuning code) hands the optimizer only the parameters that
+    require grad, so the frozen ones cost nothing in the optimizer either.
+
+    Args:
+        names: parameter names (as `LightningModule.named_parameters()` gives them) to train.
+
+    Example:
+        >>> from elastic_zoo.models import tiny_cnn
+        >>> from elastic_zoo.module import ImageClassifier
+        >>> module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2)
+        >>> trainer = L.Trainer(callbacks=[TrainOnly(head_only(module, ["model.10.*"]))], max_epochs=1)
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = tuple(names)
+        if not self.names:
+            raise ValueError("`names` must name at least one parameter to train. Found: none")
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            train_only(pl_module, self.names)
+
+
+def attach_backbone(module: nn.Module, head: Sequence[str]) -> nn.ModuleList:
+    """Give `module` the `backbone` attribute that Lightning's `BackboneFinetuning` freezes and later unfreezes.
+
+    The backbone is the largest submodules holding parameters but none of the head's. It is set as a plain
+    attribute, not registered as a submodule, so the module's parameter names and state dict do not change.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Linear(4, 2))
+        >>> [type(m).__name__ for m in attach_backbone(net, ["2.*"])], net.backbone is not None
+        (['Conv2d'], True)
+    """
+    names = set(head_only(module, head))
+    heads = {id(p) for name, p in module.named_parameters() if name in names}
+
+    def parts(node: nn.Module) -> list[nn.Module]:
+        params = list(node.parameters())
+        if not params:
+            return []
+        if not any(id(p) in heads for p in params):
+            return [node]
+        return [part for child in node.children() for part in parts(child)]
+
+    backbone = nn.ModuleList(parts(module))
+    object.__setattr__(module, "backbone", backbone)
+    return backbone

@@ -1,0 +1,178 @@
+"""One run of one method, in a fresh process: fit under measurement, test, and write every figure as JSON."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import multiprocessing
+import resource
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning
+from omegaconf import DictConfig, OmegaConf
+
+from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
+from elastic_zoo.benchmark.methods import Method
+from elastic_zoo.benchmark.report import mean_or_nan
+from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
+from elastic_zoo.recipe import build, seed_everything, set_threads
+from lightning_elastic import ElasticTensorSelection, TimingProfile, profile
+from lightning_elastic.freezing import match_patterns
+
+
+def run_isolated(config: dict[str, Any], method: Method, path: Path) -> dict[str, Any]:
+    """Run one method in a fresh process (spawned: no state, threads or memory shared with this one).
+
+    A run that fails gives a record with its `error` instead of figures, so the other methods still run.
+    """
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=run_method, args=(config, method, str(path)))
+    process.start()
+    process.join()
+    result: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    if process.exitcode != 0 and "error" not in result:
+        result = {"error": f"the process ended with exit code {process.exitcode}"}
+    if "error" in result:
+        result.update(method=method.name, kind=method.kind, speedup=method.speedup, seed=int(config["seed"]))
+    return result
+
+
+def run_method(config: dict[str, Any], method: Method, path: str) -> None:
+    """Fit one method under measurement, test it, and write everything measured to `path` as JSON.
+
+    On an error, `path` holds the error's message and the process ends with the traceback.
+    """
+    try:
+        measure(OmegaConf.create(config), method, path)
+    except Exception as err:
+        Path(path).write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
+        raise
+
+
+def measure(cfg: DictConfig, method: Method, path: str) -> None:
+    """Fit one method under measurement, test it, and write everything measured to `path` as JSON."""
+    seed_everything(cfg, workers=True)
+    set_threads(cfg)
+    parts = build(cfg)
+    module, trainer, datamodule = parts.module, parts.trainer, parts.datamodule
+    datamodule.setup("fit")  # data loading is the same for every method: not part of the measured fit
+    head = [str(cfg.model.head)]
+    total = len(list(module.parameters()))
+    result: dict[str, Any] = {"method": method.name, "kind": method.kind, "speedup": method.speedup}
+    result.update(seed=int(cfg.seed), offline_seconds=0.0, trained_tensors=float(total), total_tensors=total)
+    extra: list[L.Callback] = []
+    if method.kind in ("head_only", "bitfit"):
+        names = head_only(module, head) if method.kind == "head_only" else bitfit(module, head)
+        extra.append(TrainOnly(names))
+        result["trained_tensors"] = float(len(names))
+    elif method.kind == "static_last_k":
+        started = time.perf_counter()
+        given = cfg.elastic.get("profile")  # a saved profile given to the elastic runs is the static one's too
+        timing = (
+            TimingProfile.from_dict(json.loads(Path(given).read_text()))
+            if given
+            else offline_profile(module, datamodule, cfg)
+        )
+        names = last_k_within_budget(timing, float(cfg.benchmark.static_speedup), head)
+        result["offline_seconds"] = time.perf_counter() - started
+        result["trained_tensors"] = float(len(names))
+        extra.append(TrainOnly(names))
+    elif method.kind == "backbone_finetuning":
+        attach_backbone(module, head)
+        extra.append(BackboneFinetuning(unfreeze_backbone_at_epoch=int(cfg.benchmark.backbone_unfreeze_epoch)))
+        result["trained_tensors"] = math.nan  # a schedule: the head (and norm layers) first, then everything
+    recorder = RunRecorder(str(cfg.benchmark.monitor))
+    # The trainer was built with the config's callbacks; the method's own join them before fitting starts.
+    trainer.callbacks.extend([*extra, recorder])  # type: ignore[attr-defined]
+
+    before = {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
+    device = trainer.strategy.root_device
+    meter = EnergyMeter(float(cfg.device.power_watts), reader=nvml_energy_reader(device))
+    reset_peak_memory(device)
+    cpu = _cpu_seconds()
+    started = time.perf_counter()
+    meter.start()
+    trainer.fit(module, datamodule=datamodule)
+    wall = time.perf_counter() - started
+    joules, source = meter.stop()
+    cpu = _cpu_seconds() - cpu
+    peak = peak_memory_mb(device)
+    tested = trainer.test(module, datamodule=datamodule, verbose=False)
+
+    record = recorder.record
+    updated = [name for name, p in module.named_parameters() if not torch.equal(p.detach().cpu(), before[name])]
+    accuracies = [p.value for p in record.curve]
+    result.update(
+        wall_seconds=wall,
+        validation_seconds=record.validation_seconds,
+        steps=len(record.step_seconds),
+        mean_step_seconds=mean_or_nan(record.step_seconds),
+        curve=[asdict(p) for p in record.curve],
+        best_accuracy=max(accuracies, default=math.nan),
+        final_accuracy=accuracies[-1] if accuracies else math.nan,
+        test_accuracy=float(tested[0].get("test/acc", math.nan)) if tested else math.nan,
+        peak_memory_mb=peak,
+        energy_joules=joules,
+        energy_source=source,
+        updated_tensors=updated,
+        cpu_share=cpu / (wall * torch.get_num_threads()),
+    )
+    for callback in parts.callbacks:
+        if isinstance(callback, ElasticTensorSelection):
+            result.update(elastic_figures(callback, head))
+            result["trained_tensors"] = mean_or_nan([h["mask"].count("1") for h in result["history"]])
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def offline_profile(module: L.LightningModule, datamodule: Any, cfg: DictConfig) -> TimingProfile:
+    """The timing profile the static selection is chosen from, taken before training on the first training images.
+
+    Taken as the elastic callback takes its own: on the training device, on one batch of the training set read
+    without advancing any random state (so training then sees the same batches as every other method).
+    """
+    accelerator = str(cfg.device.accelerator)
+    device = torch.device("cuda" if accelerator in ("cuda", "gpu") else "cpu")
+    module.to(device)
+    loader = datamodule.train_dataloader()
+    with torch.random.fork_rng(devices=[]):
+        size = min(int(loader.batch_size), len(loader.dataset))
+        images, labels = loader.collate_fn([loader.dataset[i] for i in range(size)])
+    images, labels = images.to(device), labels.to(device)
+    return profile(
+        module,
+        lambda: F.cross_entropy(module(images), labels),
+        method="flops" if cfg.elastic.time_model == "flops" else "measured",
+        cache_dir=None,
+    )
+
+
+def elastic_figures(callback: ElasticTensorSelection, head: Sequence[str]) -> dict[str, Any]:
+    """The elastic run's own figures: its summary, every selection's mask, and how much consecutive ones differ."""
+    summary = callback.summary()
+    history = callback.history
+    assert callback.timing_profile is not None
+    names = list(callback.timing_profile.names)
+    masks = [h.mask for h in history]
+    changes = [sum(a != b for a, b in zip(x, y, strict=True)) for x, y in itertools.pairwise(masks)]
+    return {
+        "elastic": summary,
+        "freeze_seconds": summary["apply_seconds"],
+        "tensor_names": names,
+        "required": [bool(r) for r in match_patterns(names, head, "train_always")],
+        "history": [h.to_dict() for h in history],
+        "mask_changes": changes,
+    }
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds this process has used so far, every thread included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime

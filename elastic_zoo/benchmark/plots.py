@@ -1,0 +1,112 @@
+"""The benchmark's plots (accuracy against wall-clock time, the selections) and its TensorBoard summary."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_elastic.inspection import selection_heatmap
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on the machines that run benchmarks
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float) -> Any:
+    """Validation accuracy against seconds into the fit for every method: mean over seeds at each epoch."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(8, 5))
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_method.setdefault(r["method"], []).append(r)
+    for name, group in by_method.items():
+        epochs = min(len(r["curve"]) for r in group)
+        seconds = [statistics.fmean(r["curve"][e]["seconds"] for r in group) for e in range(epochs)]
+        values = [[100 * r["curve"][e]["value"] for r in group] for e in range(epochs)]
+        spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+        style = "-" if name.startswith("elastic") else "--" if name == "full" else ":"
+        axes.errorbar(
+            seconds,
+            [statistics.fmean(v) for v in values],
+            yerr=spread,
+            fmt=style,
+            marker="o",
+            markersize=3,
+            capsize=2,
+            label=name,
+        )
+    full_best = [r["best_accuracy"] for r in runs if r["kind"] == "full"]
+    if full_best:
+        axes.axhline(
+            100 * fraction * statistics.fmean(full_best),
+            color="grey",
+            linewidth=0.8,
+            label=f"{fraction:.0%} of full's best",
+        )
+    axes.set_xlabel("wall-clock seconds into the fit (profiling, probes and validations included)")
+    axes.set_ylabel("validation accuracy (%)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def plot_accuracy(runs: Sequence[dict[str, Any]], fraction: float, path: Path) -> None:
+    figure = accuracy_figure(runs, fraction)
+    figure.savefig(path, dpi=120)
+    _pyplot().close(figure)
+
+
+def selections_figure(runs: Sequence[dict[str, Any]]) -> Any | None:
+    """Which tensors each elastic run of the first seed trained at each selection; None without elastic runs."""
+    first_seed = runs[0]["seed"] if runs else None
+    elastic = [r for r in runs if r.get("history") and r["seed"] == first_seed]
+    if not elastic:
+        return None
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, len(elastic), figsize=(2.2 + 1.6 * len(elastic), 6), squeeze=False)
+    for axis, r in zip(axes[0], elastic, strict=True):
+        masks = [[c == "1" for c in h["mask"]] for h in r["history"]]
+        image = selection_heatmap(masks, r["required"], [False] * len(r["required"]), cell=1)
+        axis.imshow(image, aspect="auto", interpolation="nearest")
+        axis.set_xticks(range(len(masks)), [str(h["epoch"]) for h in r["history"]], fontsize=7)
+        axis.set_xlabel("epoch of selection")
+        share = statistics.fmean(m.count(True) / len(m) for m in masks)
+        axis.set_title(f"{r['method']}\n{share:.0%} trained", fontsize=9)
+    axes[0][0].set_ylabel("tensor (forward order: input at the top)")
+    figure.suptitle(f"Selections, seed {first_seed} (green trained, blue pinned head, black frozen)", fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+def plot_selections(runs: Sequence[dict[str, Any]], path: Path) -> None:
+    figure = selections_figure(runs)
+    if figure is not None:
+        figure.savefig(path, dpi=120)
+        _pyplot().close(figure)
+
+
+def log_tensorboard(runs: Sequence[dict[str, Any]], report: str, fraction: float, output_dir: Path) -> None:
+    """The table, the plots and every run's accuracy against whole seconds into its fit, under `summary/`."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(output_dir / "tensorboard" / "summary"))
+    try:
+        writer.add_text("benchmark/results", report)
+        writer.add_figure("benchmark/accuracy_vs_time", accuracy_figure(runs, fraction))
+        figure = selections_figure(runs)
+        if figure is not None:
+            writer.add_figure("benchmark/selections", figure)
+        for r in runs:
+            for point in r["curve"]:
+                tag = f"accuracy_vs_seconds/{r['method']}/seed_{r['seed']}"
+                writer.add_scalar(tag, point["value"], round(point["seconds"]))
+    finally:
+        writer.close()

@@ -1,0 +1,299 @@
+"""The benchmark's tables: one row per run (`results.csv`) and the markdown report with the issue's targets."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+# Baselines that train one fixed set of tensors: the elastic selection must beat them at the same budget.
+STATIC: tuple[str, ...] = ("head_only", "bitfit", "static_last_k")
+# The targets of the benchmark issue, for the reference elastic run against full fine-tuning.
+TARGET_WALL_SPEEDUP = 1.8
+TARGET_ACCURACY_POINTS = 1.0
+TARGET_STEP_FRACTION = 0.55
+
+
+def time_to_accuracy(curve: Sequence[dict[str, float]], target: float) -> float:
+    """Seconds into the fit at the first validation reaching `target`; NaN if none does.
+
+    Example:
+        >>> time_to_accuracy([{"seconds": 10.0, "value": 0.5}, {"seconds": 20.0, "value": 0.8}], 0.7)
+        20.0
+    """
+    return next((p["seconds"] for p in curve if p["value"] >= target), math.nan)
+
+
+def table_rows(runs: Sequence[dict[str, Any]], fraction: float) -> list[dict[str, Any]]:
+    """One flat row per run, with the figures that compare it with the full fine-tuning run of the same seed."""
+    full = {r["seed"]: r for r in runs if r["kind"] == "full"}
+    rows = []
+    for r in runs:
+        reference = full.get(r["seed"])
+        elastic = r.get("elastic", {})
+        rows.append(
+            {
+                "method": r["method"],
+                "seed": r["seed"],
+                "wall_s": r["wall_seconds"],
+                "speedup_vs_full": reference["wall_seconds"] / r["wall_seconds"] if reference else math.nan,
+                # The contract's figure: the training part of the fit (validation left out) against full's.
+                "train_speedup_vs_full": (
+                    (reference["wall_seconds"] - reference["validation_seconds"])
+                    / (r["wall_seconds"] - r["validation_seconds"])
+                    if reference
+                    else math.nan
+                ),
+                "asked_speedup": r.get("speedup", math.nan),
+                "callback_fit_speedup": elastic.get("fit_speedup", math.nan),
+                "overhead_share": (
+                    sum(elastic.get(k, math.nan) for k in ("profile_seconds", "probe_seconds", "select_seconds"))
+                    + r.get("freeze_seconds", math.nan)
+                )
+                / (r["wall_seconds"] - r["validation_seconds"]),
+                "train_s": r["wall_seconds"] - r["validation_seconds"],
+                "validation_s": r["validation_seconds"],
+                "steps": r["steps"],
+                "mean_step_ms": r["mean_step_seconds"] * 1e3,
+                "best_acc": r["best_accuracy"],
+                "final_acc": r["final_accuracy"],
+                "test_acc": r["test_accuracy"],
+                "time_to_target_s": (
+                    time_to_accuracy(r["curve"], fraction * reference["best_accuracy"]) if reference else math.nan
+                ),
+                "peak_memory_mb": r["peak_memory_mb"],
+                "energy_wh": r["energy_joules"] / 3600.0,
+                "energy_source": r["energy_source"],
+                "cpu_share": r["cpu_share"],
+                "trained_tensors": r["trained_tensors"],
+                "total_tensors": r["total_tensors"],
+                "offline_s": r["offline_seconds"],
+                "profile_s": elastic.get("profile_seconds", math.nan),
+                "probe_s": elastic.get("probe_seconds", math.nan),
+                "select_s": elastic.get("select_seconds", math.nan),
+                "freeze_s": r.get("freeze_seconds", math.nan),
+                "full_step_ms": elastic.get("full_step_seconds", math.nan) * 1e3,
+                "selected_step_ms": elastic.get("selected_step_seconds", math.nan) * 1e3,
+                "step_fraction": 1.0 / elastic.get("measured_speedup", math.nan),
+                "step_vs_full_run": (
+                    elastic.get("selected_step_seconds", math.nan) / reference["mean_step_seconds"]
+                    if reference
+                    else math.nan
+                ),
+                "predicted_step_ms": mean_or_nan([h["predicted_seconds"] for h in r.get("history", [])]) * 1e3,
+                "selections": elastic.get("selections", math.nan),
+                "changed_selections": sum(c > 0 for c in r["mask_changes"]) if "mask_changes" in r else math.nan,
+                "mean_tensors_changed": mean_or_nan(r["mask_changes"]) if r.get("mask_changes") else math.nan,
+            }
+        )
+    return rows
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def mean_spread(values: Sequence[float]) -> tuple[float, float, int]:
+    """Mean and sample standard deviation of the finite values, and how many there are (spread NaN below 2).
+
+    Example:
+        >>> mean_spread([1.0, 3.0, math.nan])
+        (2.0, 1.4142135623730951, 2)
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, 0
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else math.nan, len(finite)
+
+
+def cell(values: Sequence[float], scale: float = 1.0, digits: int = 1) -> str:
+    """`mean ± spread` of `values` x `scale`; the count of finite values when some are missing; "n/a" for none.
+
+    Example:
+        >>> cell([0.81, 0.83], scale=100), cell([2.0, math.nan]), cell([math.nan])
+        ('82.0 ± 1.4', '2.0 (1/2)', 'n/a')
+    """
+    mean, spread, count = mean_spread(values)
+    if count == 0:
+        return "n/a"
+    text = f"{mean * scale:.{digits}f}"
+    if math.isfinite(spread):
+        text += f" ± {spread * scale:.{digits}f}"
+    if count < len(values):
+        text += f" ({count}/{len(values)})"
+    return text
+
+
+def _by_method(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        grouped.setdefault(row["method"], []).append(row)
+    return grouped
+
+
+def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: float) -> str:
+    """The results as markdown: the comparison table, the elastic runs' own figures, and the targets."""
+    bench = cfg.benchmark
+    grouped = _by_method(rows)
+    seeds = list(bench.seeds)
+    fraction = float(bench.accuracy_fraction)
+    sources = sorted({r["energy_source"] for r in rows})
+    energy_note = (
+        f"estimated as wall time x {cfg.device.power_watts:g} W (`device.power_watts`): proportional to wall time"
+        if sources == ["estimate"]
+        else "measured with NVML"
+    )
+    lines = [
+        f"# Benchmark: {_choice(cfg, 'model')} x {_choice(cfg, 'dataset')} at {cfg.dataset.image_size} px",
+        "",
+        f"- {len(seeds)} seed(s) {seeds}, {cfg.trainer.max_epochs} epochs, batch {cfg.dataset.batch_size}, "
+        f"{cfg.module.optimizer} lr {cfg.module.lr:g}; elastic: re-selection every {cfg.elastic.interval} "
+        f"{cfg.elastic.interval_unit}(s), probe steps {cfg.elastic.probe_steps}; device {_choice(cfg, 'device')} "
+        f"({torch.get_num_threads()} threads)",
+        f"- benchmark wall time {seconds / 60:.1f} min; figures are mean ± sample standard deviation over seeds",
+        "- wall: the whole fit (training, every validation; for elastic also profiling, probes, selections); "
+        "step: mean of every training step; accuracy: validation (`" + str(bench.monitor) + "`), best and final "
+        "epoch; test: the final model on the test split",
+        f"- time to target: first validation reaching {fraction:.0%} of full fine-tuning's best (same seed); "
+        f"energy: {energy_note}",
+        f"- contention check: each run's CPU time over wall time x {torch.get_num_threads()} threads was "
+        f"{min(r['cpu_share'] for r in rows):.0%} to {max(r['cpu_share'] for r in rows):.0%} (well below 100%: "
+        "the run waited for the CPU, or for data loading and Python)",
+        "",
+        "| method | tensors trained | wall (s) | speedup vs full | training speedup vs full | step (ms) | best acc (%) "
+        f"| final acc (%) | test acc (%) | time to {fraction:.0%} of full (s) | peak memory (MiB) | energy (Wh) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, group in grouped.items():
+
+        def col(key: str, group: list[dict[str, Any]] = group) -> list[float]:
+            return [float(r[key]) for r in group]
+
+        shares = [t / n for t, n in zip(col("trained_tensors"), col("total_tensors"), strict=True)]
+        tensors = f"{cell(shares, 100, 0)}%" if any(math.isfinite(s) for s in shares) else "schedule"
+        lines.append(
+            f"| {name} | {tensors} | {cell(col('wall_s'))} | {cell(col('speedup_vs_full'), digits=2)} "
+            f"| {cell(col('train_speedup_vs_full'), digits=2)} | {cell(col('mean_step_ms'), digits=0)} "
+            f"| {cell(col('best_acc'), 100)} | {cell(col('final_acc'), 100)} | {cell(col('test_acc'), 100)} "
+            f"| {cell(col('time_to_target_s'))} "
+            f"| {cell(col('peak_memory_mb'), digits=0)} | {cell(col('energy_wh'), digits=3)} |"
+        )
+    elastic = {name: group for name, group in grouped.items() if math.isfinite(group[0]["selections"])}
+    if elastic:
+        lines += [
+            "",
+            "## The elastic runs' own figures",
+            "",
+            "Per-step figures from the callback's `summary()`: the full step is the mean probe step (every tensor "
+            "trained) and the selected step the mean of every other step, both measured in the same run; "
+            "predicted: the time model's figure for the selections made; selected / full run: the selected step "
+            "against the mean step of the full fine-tuning run of the same seed. Overheads are seconds per run: "
+            "profiling (once, before the first step), probe steps (real training steps with every tensor trained), "
+            "selection (importance reduction and the dynamic program), freezing (switching `requires_grad` and "
+            "BatchNorm modes). Changed: re-selections whose mask differs from the one before.",
+            "",
+            "| method | full step (ms) | selected step (ms) | predicted (ms) | selected / full | selected / full run "
+            "| profile (s) | probe steps (s) | selection (s) | freezing (s) | own time / training | fit speedup "
+            "(callback's estimate) | selections | changed | tensors changed per re-selection |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, group in elastic.items():
+
+            def ecol(key: str, group: list[dict[str, Any]] = group) -> list[float]:
+                return [float(r[key]) for r in group]
+
+            lines.append(
+                f"| {name} | {cell(ecol('full_step_ms'), digits=0)} | {cell(ecol('selected_step_ms'), digits=0)} "
+                f"| {cell(ecol('predicted_step_ms'), digits=0)} | {cell(ecol('step_fraction'), digits=3)} "
+                f"| {cell(ecol('step_vs_full_run'), digits=3)} | {cell(ecol('profile_s'))} | {cell(ecol('probe_s'))} "
+                f"| {cell(ecol('select_s'), digits=3)} | {cell(ecol('freeze_s'), digits=3)} "
+                f"| {cell(ecol('overhead_share'), 100)}% | {cell(ecol('callback_fit_speedup'), digits=2)} "
+                f"| {cell(ecol('selections'), digits=0)} | {cell(ecol('changed_selections'))} "
+                f"| {cell(ecol('mean_tensors_changed'))} |"
+            )
+    lines += ["", *targets(cfg, grouped), ""]
+    return "\n".join(lines)
+
+
+def targets(cfg: DictConfig, grouped: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The benchmark issue's targets for the reference elastic run, each met or missed, with the measured figure."""
+    reference = f"elastic_{float(cfg.benchmark.reference_speedup):g}x"
+    if reference not in grouped or "full" not in grouped:
+        return [f"Targets: not checked (they need the `full` and `{reference}` runs)."]
+    ours, full = grouped[reference], grouped["full"]
+
+    def mean(group: list[dict[str, Any]], key: str) -> float:
+        return mean_spread([float(r[key]) for r in group])[0]
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "**missed**"
+
+    wall = mean(ours, "speedup_vs_full")
+    step = mean(ours, "step_fraction")
+    accuracy, full_accuracy = mean(ours, "final_acc"), mean(full, "final_acc")
+    lines = [
+        "## The wall-clock contract (every elastic run: its training time against full fine-tuning's, same seed)",
+        "",
+        *(contract_line(name, group) for name, group in grouped.items() if name.startswith("elastic")),
+        "",
+        f"## Targets ({reference} against the others, mean over seeds)",
+        "",
+        f"- end-to-end wall clock >= {TARGET_WALL_SPEEDUP}x faster than full fine-tuning: {wall:.2f}x, "
+        f"{verdict(wall >= TARGET_WALL_SPEEDUP)}",
+        f"- selected step <= {TARGET_STEP_FRACTION} of the full step measured in the same run: {step:.3f}, "
+        f"{verdict(step <= TARGET_STEP_FRACTION)} (against the full fine-tuning run's mean step: "
+        f"{mean(ours, 'step_vs_full_run'):.3f})",
+        f"- final accuracy within {TARGET_ACCURACY_POINTS:g} point of full fine-tuning: {accuracy * 100:.1f}% vs "
+        f"{full_accuracy * 100:.1f}% ({(accuracy - full_accuracy) * 100:+.1f}), "
+        f"{verdict(accuracy >= full_accuracy - TARGET_ACCURACY_POINTS / 100)}",
+    ]
+    for name in STATIC:
+        if name in grouped:
+            other = mean(grouped[name], "final_acc")
+            lines.append(
+                f"- final accuracy above {name} (step {mean(grouped[name], 'mean_step_ms'):.0f} ms vs "
+                f"{mean(ours, 'mean_step_ms'):.0f} ms): {accuracy * 100:.1f}% vs {other * 100:.1f}%, "
+                f"{verdict(accuracy > other)}"
+            )
+    return lines
+
+
+def contract_line(name: str, group: Sequence[dict[str, Any]]) -> str:
+    """One elastic method's training speedup against full fine-tuning, and whether it keeps 0.95 x what it asked."""
+    got = [float(r["train_speedup_vs_full"]) for r in group]
+    asked = float(group[0]["asked_speedup"])
+    kept = mean_spread(got)[0] >= 0.95 * asked
+    return f"- {name}: asked {asked:g}x, got {cell(got, digits=2)}x: {'met' if kept else '**missed**'}"
+
+
+def failures(failed: Sequence[dict[str, Any]]) -> str:
+    """A markdown section listing the runs that failed and why; empty when none did."""
+    if not failed:
+        return ""
+    lines = ["", "## Failed runs", "", *(f"- {r['method']}, seed {r['seed']}: {r['error']}" for r in failed), ""]
+    return "\n".join(lines)
+
+
+def _choice(cfg: DictConfig, group: str) -> str:
+    """The option picked for a config group, or what its `_target_` builds when Hydra is not running."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.choices.get(group, "?"))
+    node = cfg.get(group)
+    target = node.get("_target_") if node is not None else None
+    return str(target).rsplit(".", 1)[-1] if target else "?"
+
+
+def mean_or_nan(values: Sequence[float]) -> float:
+    """The mean of `values`; NaN for none."""
+    return statistics.fmean(values) if values else math.nan

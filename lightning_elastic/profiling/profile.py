@@ -1,0 +1,324 @@
+"""The `TimingProfile` type and its one JSON reader and writer: the cache (keyed by a fingerprint) and given files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.time_model import StepTimeModel
+
+__all__ = ["TimingMethod", "TimingProfile"]
+
+CACHE_ENV = "LIGHTNING_ELASTIC_CACHE_DIR"
+
+TimingMethod = Literal["measured", "flops"]
+
+FORMAT_VERSION = 1
+
+class StaleProfileError(ValueError):
+    """Profile data written in another format version."""
+
+
+@dataclass(frozen=True)
+class TimingProfile:
+    """Per-tensor timings of one model on one device and the time model built on them.
+
+    Attributes:
+        names: parameter names (as ``model.named_parameters()`` gives them) in forward order, index 0
+            nearest the input; tied parameters once; only parameters the forward pass uses.
+        t_dw: seconds to compute each tensor's own gradient.
+        t_dy: seconds to propagate the gradient through the op owning each tensor and the parameter-free
+            ops between it and the previous tensor's op (one tensor per op carries it, the others get 0).
+            ``t_dy[0]`` is reported as 0: nothing below the first tensor ever needs a gradient.
+        t_fw: seconds of a plain forward pass (with the loss) when nothing requires grad.
+        t_full: seconds of a plain forward + full backward pass.
+        device: where it was measured, e.g. ``"cpu (2 threads)"`` or ``"cuda:0 (NVIDIA H100)"``.
+        fingerprint: the cache key (see `profile`).
+        unused: parameters that require grad but that the forward pass does not use.
+        method: ``"measured"`` or ``"flops"``.
+        numel: elements of each tensor.
+        t_tail: seconds that every non-empty selection adds to ``t_fw``: backward of the loss and of the
+            ops after the last tensor, graph recording of those ops and the autograd engine's start.
+        profile_seconds: seconds that measuring this profile took.
+
+    Example:
+        >>> p = TimingProfile(names=("a", "b"), t_dw=(2.0, 1.0), t_dy=(0.0, 3.0), t_fw=4.0, t_full=10.0,
+        ...                   device="cpu (1 threads)", fingerprint="f", unused=(), method="measured",
+        ...                   numel=(10, 10))
+        >>> p.predict([True, False]), p.predict([False, True]), p.predict([False, False])
+        (9.0, 5.0, 4.0)
+    """
+
+    names: tuple[str, ...]
+    t_dw: tuple[float, ...]
+    t_dy: tuple[float, ...]
+    t_fw: float
+    t_full: float
+    device: str
+    fingerprint: str
+    unused: tuple[str, ...]
+    method: TimingMethod
+    numel: tuple[int, ...]
+    t_tail: float = 0.0
+    profile_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        problems = [
+            f"`{name}` has {len(getattr(self, name))} entries, `names` has {n}"
+            for name in ("t_dw", "t_dy", "numel")
+            if len(getattr(self, name)) != n
+        ]
+        if len(set(self.names)) != n:
+            problems.append("`names` must be unique")
+        times = {"t_fw": self.t_fw, "t_full": self.t_full, "t_tail": self.t_tail}
+        times.update({f"t_dw[{i}]": v for i, v in enumerate(self.t_dw)})
+        times.update({f"t_dy[{i}]": v for i, v in enumerate(self.t_dy)})
+        problems += [
+            f"`{key}` must be a finite number >= 0, got {value!r}"
+            for key, value in times.items()
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf
+        ]
+        if self.method not in get_args(TimingMethod):
+            problems.append(f"`method` must be one of {get_args(TimingMethod)}, got {self.method!r}")
+        if problems:
+            raise ValueError("Invalid `TimingProfile`: " + "; ".join(problems) + ".")
+
+    @property
+    def t_fixed(self) -> float:
+        """Seconds that every non-empty selection pays: the forward pass and the always-paid backward."""
+        return self.t_fw + self.t_tail
+
+    def predict(self, mask: Sequence[bool]) -> float:
+        """Seconds of one forward+backward pass with only the tensors selected by ``mask`` requiring grad.
+
+        Args:
+            mask: one flag per tensor of `names`.
+
+        Returns:
+            ``t_fw`` for an empty selection, else ``t_fixed + sum_k mask[k] * t_dw[k] + sum_{i>d} t_dy[i]``.
+
+        Example:
+            >>> p = TimingProfile(("a",), (1.0,), (0.0,), 2.0, 3.0, "cpu", "f", (), "measured", (4,))
+            >>> p.predict([True])
+            3.0
+        """
+        if len(mask) != len(self.names):
+            raise ValueError(f"`mask` must have one entry per profiled tensor ({len(self.names)}). Found: {len(mask)}")
+        return StepTimeModel.from_profile(self).predict(mask)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data; `from_dict` reads it back.
+
+        Example:
+            >>> p = TimingProfile(("a",), (1.0,), (0.0,), 2.0, 3.0, "cpu", "f", (), "measured", (4,))
+            >>> TimingProfile.from_dict(p.to_dict()) == p
+            True
+        """
+        return {
+            "version": FORMAT_VERSION,
+            "names": list(self.names),
+            "t_dw": list(self.t_dw),
+            "t_dy": list(self.t_dy),
+            "t_fw": self.t_fw,
+            "t_full": self.t_full,
+            "t_tail": self.t_tail,
+            "device": self.device,
+            "fingerprint": self.fingerprint,
+            "unused": list(self.unused),
+            "method": self.method,
+            "numel": list(self.numel),
+            "profile_seconds": self.profile_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TimingProfile:
+        """Rebuild a profile from `to_dict` output, validating every field.
+
+        Raises:
+            StaleProfileError: the format version differs (a `ValueError`).
+            ValueError: a field is missing or has the wrong type.
+
+        Example:
+            >>> TimingProfile.from_dict({"version": 0})
+            Traceback (most recent call last):
+            ...
+            lightning_elastic.profiling.profile.StaleProfileError: `data["version"]` must be 1. Found: 0
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"`data` must be a mapping. Found: {type(data).__name__}")
+        if data.get("version") != FORMAT_VERSION:
+            raise StaleProfileError(f'`data["version"]` must be {FORMAT_VERSION}. Found: {data.get("version")!r}')
+        fields = {
+            "names": str,
+            "t_dw": float,
+            "t_dy": float,
+            "unused": str,
+            "numel": int,
+        }
+        kwargs: dict[str, Any] = {}
+        for key, kind in fields.items():
+            value = data.get(key)
+            if not isinstance(value, list) or not all(_is_kind(v, kind) for v in value):
+                raise ValueError(f'`data["{key}"]` must be a list of {kind.__name__}. Found: {value!r:.80}')
+            kwargs[key] = tuple(float(v) if kind is float else v for v in value)
+        for key in ("t_fw", "t_full", "t_tail", "profile_seconds"):
+            if not _is_kind(data.get(key), float):
+                raise ValueError(f'`data["{key}"]` must be a number. Found: {data.get(key)!r}')
+            kwargs[key] = float(data[key])
+        for key in ("device", "fingerprint", "method"):
+            if not isinstance(data.get(key), str):
+                raise ValueError(f'`data["{key}"]` must be a string. Found: {data.get(key)!r}')
+            kwargs[key] = data[key]
+        return cls(**kwargs)
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    if device.type == "cpu":
+        return f"cpu ({torch.get_num_threads()} threads, {platform.processor() or platform.machine()})"
+    return str(device)
+
+
+def cache_key(
+    signature: Mapping[str, Any], device: torch.device, candidates: list[tuple[str, nn.Parameter]], method: str
+) -> str:
+    payload = {
+        "version": FORMAT_VERSION,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "method": method,
+        "params": [[name, list(p.shape), str(p.dtype)] for name, p in candidates],
+        "signature": dict(signature),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def mismatch(prof: TimingProfile, module: nn.Module) -> str | None:
+    """Why ``prof`` does not describe ``module``'s parameters (names, element counts, every trainable tensor), or None.
+
+    Example:
+        >>> prof = TimingProfile(("weight",), (1.0,), (0.0,), 1.0, 2.0, "cpu", "f", (), "measured", (6,))
+        >>> mismatch(prof, nn.Linear(3, 2, bias=False)) is None, mismatch(prof, nn.Linear(3, 2))
+        (True, "trainable tensors it does not cover: ['bias']")
+    """
+    named = dict(module.named_parameters())
+    missing = [name for name in prof.names if name not in named]
+    if missing:
+        return f"names the module does not have: {missing[:5]}"
+    sizes = [
+        f"{name} ({count} elements profiled, {named[name].numel()} in the module)"
+        for name, count in zip(prof.names, prof.numel, strict=True)
+        if named[name].numel() != count
+    ]
+    if sizes:
+        return f"element counts that differ: {sizes[:5]}"
+    covered = set(prof.names) | set(prof.unused)
+    uncovered = [name for name, p in named.items() if p.requires_grad and name not in covered]
+    if uncovered:
+        return f"trainable tensors it does not cover: {uncovered[:5]}"
+    return None
+
+
+def read_profile(path: Path) -> TimingProfile:
+    """The profile saved at ``path`` (by `store` or as `TimingProfile.to_dict` JSON): the one reader of profile files.
+
+    Raises:
+        OSError: the file cannot be read.
+        StaleProfileError: it was written in another format version.
+        ValueError: it is not a valid profile (the message says why).
+    """
+    return TimingProfile.from_dict(json.loads(path.read_text()))
+
+
+def load_cached(path: Path, fingerprint: str) -> TimingProfile | None:
+    """The cached profile at ``path`` if it is current; else None, with a warning for a bad file."""
+    if not path.exists():
+        return None
+    try:
+        prof = read_profile(path)
+    except StaleProfileError as err:
+        warnings.warn(f"Timing profile cache {path} is stale ({err}); measuring again.", stacklevel=3)
+        return None
+    except (OSError, ValueError) as err:
+        warnings.warn(f"Timing profile cache {path} is corrupt ({err}); measuring again.", stacklevel=3)
+        return None
+    if prof.fingerprint != fingerprint:
+        warnings.warn(
+            f"Timing profile cache {path} does not match this model, device and input (fingerprint "
+            f"{prof.fingerprint[:12]}..., expected {fingerprint[:12]}...); measuring again.",
+            stacklevel=3,
+        )
+        return None
+    return prof
+
+
+def store(path: Path, prof: TimingProfile) -> None:
+    """Write atomically: a reader never sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(prof.to_dict(), handle, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | Literal[False] | None) -> Path | None:
+    """The directory of cached profiles: the given one, the per-user one for None, none for False.
+
+    Raises:
+        ElasticConfigError: when the directory is an existing file.
+    """
+    if cache_dir is False:
+        return None
+    if cache_dir is None:
+        base = os.environ.get(CACHE_ENV) or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lightning-elastic"
+        )
+        path = Path(base)
+    else:
+        path = Path(cache_dir)
+    if path.exists() and not path.is_dir():
+        raise ElasticConfigError(
+            f"`cache_dir` must be a directory (or None for the user cache, False for none). Found: a file {str(path)!r}"
+        )
+    return path
+
+
+def load_given_profile(given: TimingProfile | str | os.PathLike[str] | None) -> TimingProfile | None:
+    """The profile the user gave: as it is, or read from its JSON file."""
+    if given is None or isinstance(given, TimingProfile):
+        return given
+    path = Path(given)
+    try:
+        return read_profile(path)
+    except (OSError, ValueError) as err:
+        raise ElasticConfigError(
+            f"`profile` must be a readable timing profile saved as JSON. Found: {str(path)!r} ({err})"
+        ) from err

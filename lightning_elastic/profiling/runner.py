@@ -1,0 +1,387 @@
+"""`profile` itself: the passes of one profile, by hooks (``"measured"``) or op counts (``"flops"``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+from lightning_elastic.profiling.attribution import Structure
+from lightning_elastic.profiling.calibration import (
+    NOISE_LIMIT,
+    NOISE_ROUNDS,
+    SEGMENTS,
+    calibrate,
+    calibration_knots,
+    noise_of,
+)
+from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
+from lightning_elastic.profiling.graph import ACCUMULATE_GRAD, InputLeaves, Node, OpGraph, OpRecorder, Pass, walk
+from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, cache_key, device_name, load_cached, store
+from lightning_elastic.profiling.state import ModelState, python_rng_kept
+from lightning_elastic.timing import DeviceClock
+
+__all__ = ["fingerprint", "profile"]
+
+def profile(
+    model: nn.Module,
+    compute_loss: Callable[[], Tensor],
+    *,
+    method: TimingMethod = "measured",
+    cache_dir: str | os.PathLike[str] | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    clock: Callable[[], float] | None = None,
+) -> TimingProfile:
+    """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
+
+    The model is left exactly as found: ``requires_grad`` flags, ``.grad`` tensors, buffers (BatchNorm
+    running statistics), train/eval modes, every other attribute of its submodules (state that ``forward``
+    keeps, such as an RNN's stored hidden state) and the global RNG state (torch CPU and CUDA, Python
+    ``random``). The optimizer's update is not part of the profile.
+
+    Args:
+        model: the module whose parameters requiring grad are profiled (the others stay frozen).
+        compute_loss: runs one forward pass on a real batch already on the device and returns the scalar
+            loss; it is called about 15-25 times.
+        method: ``"measured"`` (hooks + plain timings) or ``"flops"`` (analytic op costs scaled to one
+            measured step).
+        cache_dir: where profiles are stored as JSON, keyed by a fingerprint of the device (GPU name or
+            CPU thread count), torch version, the parameters (names, shapes, dtypes, which require grad),
+            the module types in forward order with the shapes and dtypes of their inputs, the autograd
+            graph of the step (node types: functional ops and gradient checkpointing change it), the
+            module calls that backward recomputes, and ``method``. A matching file is reused; a stale,
+            mismatched or corrupt one is reported with a warning and replaced by a new measurement.
+        warmup: plain training steps run before any timing.
+        repeats: plain timings and instrumented passes of each kind; medians are kept.
+        clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
+
+    Returns:
+        The `TimingProfile`.
+
+    Raises:
+        ValueError: unknown ``method``, bad ``warmup``/``repeats``, no parameter requires grad, or
+            ``compute_loss`` does not return a scalar that requires grad.
+        TypeError: ``model`` is not a module or ``compute_loss`` is not callable.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> x = torch.randn(4, 8)
+        >>> prof = profile(net, lambda: net(x).square().mean(), repeats=1)
+        >>> prof.names
+        ('0.weight', '0.bias', '2.weight', '2.bias')
+        >>> prof.predict([False, False, True, True]) <= prof.predict([True] * 4) + 1.0
+        True
+    """
+    if method not in get_args(TimingMethod):
+        raise ValueError(f"`method` must be one of {get_args(TimingMethod)}. Found: {method!r}")
+    for arg, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{arg}` must be an int >= {low}. Found: {value!r}")
+    with _kept_as_found(model, compute_loss, clock) as runner:
+        start = runner.clock.now()
+        fingerprint = runner.fingerprint(method)
+        path = None if cache_dir is None else Path(cache_dir) / f"timing-{fingerprint[:24]}.json"
+        cached = None if path is None else load_cached(path, fingerprint)
+        if cached is not None:
+            return cached
+        result = runner.run(method, warmup, repeats)
+        candidates = runner.candidates
+        prof = TimingProfile(
+            names=tuple(candidates[c][0] for c in result.order),
+            t_dw=tuple(result.t_dw),
+            t_dy=tuple(result.t_dy),
+            t_fw=result.t_fw,
+            t_full=result.t_full,
+            device=device_name(runner.device),
+            fingerprint=fingerprint,
+            unused=tuple(candidates[c][0] for c in range(len(candidates)) if c not in set(result.order)),
+            method=method,
+            numel=tuple(candidates[c][1].numel() for c in result.order),
+            t_tail=result.t_tail,
+            profile_seconds=runner.clock.now() - start,
+        )
+        if path is not None:
+            store(path, prof)
+        return prof
+
+
+def fingerprint(model: nn.Module, compute_loss: Callable[[], Tensor], method: TimingMethod) -> str:
+    """The fingerprint `profile` would give this model and step now (one forward and backward pass, nothing timed).
+
+    A `TimingProfile` whose ``fingerprint`` differs was taken of another model, step, device or input.
+    """
+    with _kept_as_found(model, compute_loss, None) as runner:
+        return runner.fingerprint(method)
+
+
+@contextmanager
+def _kept_as_found(
+    model: nn.Module, compute_loss: Callable[[], Tensor], clock: Callable[[], float] | None
+) -> Iterator[Runner]:
+    """A `Runner` for ``model``, which is left exactly as found afterwards (see `profile`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module. Found: {type(model).__name__}")
+    if not callable(compute_loss):
+        raise TypeError(f"`compute_loss` must be callable. Found: {type(compute_loss).__name__}")
+    candidates = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not candidates:
+        raise ValueError("`model` must have at least one parameter that requires grad. Found: none")
+    device = candidates[0][1].device
+    cuda_devices = sorted({p.device.index or 0 for _, p in candidates if p.device.type == "cuda"})
+    state = ModelState(model)
+    try:
+        with torch.random.fork_rng(devices=cuda_devices), python_rng_kept():
+            yield Runner(model, compute_loss, candidates, DeviceClock(device, clock))
+    finally:
+        state.restore()
+
+
+@dataclass
+class Result:
+    """What the passes of one profile found, before it becomes a `TimingProfile` (indices into the candidates)."""
+
+    order: list[int]
+    t_dw: list[float]
+    t_dy: list[float]
+    t_tail: float
+    t_fw: float
+    t_full: float
+
+
+class Runner:
+    """Runs the passes of one profile."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        compute_loss: Callable[[], Tensor],
+        candidates: list[tuple[str, nn.Parameter]],
+        clock: DeviceClock,
+    ) -> None:
+        self.model = model
+        self.compute_loss = compute_loss
+        self.candidates = candidates
+        self.params = [p for _, p in candidates]
+        self.all_params = list(model.parameters())
+        self.device = self.params[0].device
+        self.clock = clock
+        self.leaves = InputLeaves(model)
+
+    # -- passes ------------------------------------------------------------------------------------
+
+    def _set_mask(self, mask: Sequence[bool]) -> None:
+        """Select the candidates to train; reset every gradient to None as training does.
+
+        Also reseeds the RNGs (restored when `profile` returns), so that every pass draws the same
+        dropout masks and takes the same random branches (stochastic depth) and records the same graph.
+        """
+        for p, flag in zip(self.params, mask, strict=True):
+            p.requires_grad_(flag)
+        torch.manual_seed(0)
+        random.seed(0)
+        for p in self.all_params:
+            p.grad = None
+
+    def _loss(self) -> Tensor:
+        loss = self.compute_loss()
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"`compute_loss` must return a scalar tensor. Found: {shape}")
+        return loss
+
+    def plain(self, mask: Sequence[bool]) -> tuple[float, float]:
+        """Seconds of the forward and of forward+backward with ``mask`` selected, no instrumentation."""
+        self._set_mask(mask)
+        start = self.clock.now()
+        loss = self._loss()
+        mid = self.clock.now()
+        if loss.requires_grad:
+            loss.backward()
+        end = self.clock.now()
+        return mid - start, end - start
+
+    def plain_median(self, mask: Sequence[bool], repeats: int) -> tuple[float, float]:
+        runs = [self.plain(mask) for _ in range(repeats)]
+        return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+    def signature(self) -> dict[str, Any]:
+        """What the cache key must cover beyond the parameters: the step's structure, from one forward+backward.
+
+        ``calls``: module types in forward order with the shapes and dtypes of their tensor inputs; ``graph``: the
+        autograd node types of the full backward graph in structural order (a changed functional op, a
+        ``CheckpointFunctionBackward``); ``recomputed``: the module calls that backward makes again (gradient
+        checkpointing recomputes its segments' forward, whatever its implementation).
+        """
+        calls: list[Any] = []
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tensors = tensors_in(args) + tensors_in(kwargs)
+            calls.append([type(module).__name__, [[list(t.shape), str(t.dtype)] for t in tensors]])
+
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.model.modules()]
+        try:
+            self._set_mask([True] * len(self.params))
+            loss = self._loss()
+            forward = list(calls)
+            graph = [node.name() for node in walk(loss.grad_fn)] if loss.grad_fn is not None else []
+            if loss.requires_grad:
+                loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {"calls": forward, "graph": graph, "recomputed": calls[len(forward) :]}
+
+    def fingerprint(self, method: TimingMethod) -> str:
+        """The cache key of this model's profile by ``method`` on this device (see `signature`)."""
+        return cache_key(self.signature(), self.device, self.candidates, method)
+
+    def instrumented(self, kind: Literal["full", "dx", "none"], keep: Callable[..., Any] | None = None) -> Pass:
+        """One pass with forward ops timed and, unless ``kind == "none"``, every backward node timed."""
+        self._set_mask([kind == "full"] * len(self.params))
+        recorder = OpRecorder(self.clock, keep or (lambda func, args, kwargs, out: None))
+        record = Pass()
+        if kind == "none":
+            with recorder:
+                self._loss()
+        else:
+            with self.leaves.active(recorder) as (leaves, sources):
+                with recorder:
+                    loss = self._loss()
+                record.sources = sources
+                if loss.requires_grad:
+                    self._timed_backward(loss, record)
+                elif kind == "full":
+                    raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
+            del leaves
+        record.op_names = recorder.names
+        record.op_seconds = recorder.seconds()
+        record.op_kept = recorder.kept
+        return record
+
+    def _timed_backward(self, loss: Tensor, record: Pass) -> None:
+        nodes = walk(loss.grad_fn)
+        starts: dict[Node, Any] = {}
+        ends: dict[Node, Any] = {}
+        handles = []
+        for node in nodes:
+            handles.append(node.register_prehook(lambda grads, node=node: starts.__setitem__(node, self.clock.stamp())))
+            handles.append(node.register_hook(lambda gi, go, node=node: ends.__setitem__(node, self.clock.stamp())))
+        try:
+            loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.clock.sync()
+
+        def seconds(node: Node) -> float:
+            return self.clock.seconds(starts[node], ends[node]) if node in ends else 0.0
+
+        ops = sorted((n for n in nodes if n.name() != ACCUMULATE_GRAD), key=lambda n: n._sequence_nr())
+        record.nodes = ops
+        record.node_seconds = [seconds(n) for n in ops]
+        record.leaf_nodes = [n for n in nodes if n.name() == ACCUMULATE_GRAD]
+        record.leaf_seconds = [seconds(n) for n in record.leaf_nodes]
+
+    # -- the two methods ------------------------------------------------------------------------------
+
+    def run(self, method: TimingMethod, warmup: int, repeats: int) -> Result:
+        n = len(self.params)
+        for _ in range(warmup):
+            self.plain([True] * n)
+        if method == "flops":
+            return self._run_flops(repeats)
+        return self._run_measured(repeats)
+
+    def _run_measured(self, repeats: int) -> Result:
+        dx_passes = [self.instrumented("dx") for _ in range(repeats)]
+        ids = {id(p) for p in self.params}
+
+        def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> OpGraph:
+            inputs = tensors_in(args) + tensors_in(kwargs)
+            return OpGraph(
+                outputs=[t.grad_fn for t in tensors_in(out) if t.grad_fn is not None],
+                inputs=[t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None],
+                params=[id(t) for t in inputs if id(t) in ids],
+            )
+
+        full_passes = [self.instrumented("full", keep=keep) for _ in range(repeats)]
+        none_passes = [self.instrumented("none") for _ in range(repeats)]
+        structure = Structure(full_passes[0], self.params)
+        t_dw, t_dy, t_tail = structure.costs(full_passes, dx_passes, none_passes).model()
+        knots = calibration_knots(t_dw, t_dy, SEGMENTS)
+        t_fw, times = self._suffix_times(structure.order, knots, repeats)
+        t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
+        return Result(structure.order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
+
+    def _suffix_times(self, order: list[int], knots: list[int], repeats: int) -> tuple[float, list[float]]:
+        """Plain forward time with nothing selected, and step times with tensors ``d..n-1`` selected.
+
+        Rounds interleave the selections so that a slow drift of the machine hits them all alike.
+        """
+        masks = []
+        for d in knots:
+            mask = [False] * len(self.params)
+            for c in order[d:]:
+                mask[c] = True
+            masks.append(mask)
+        empty: list[float] = []
+        steps: list[list[float]] = [[] for _ in knots]
+        for rounds in range(1, NOISE_ROUNDS * repeats + 1):
+            empty.append(self.plain([False] * len(self.params))[0])
+            for mask, column in zip(masks, steps, strict=True):
+                column.append(self.plain(mask)[1])
+            noise = max(noise_of(column) for column in (empty, *steps))
+            if rounds >= repeats and noise <= NOISE_LIMIT:
+                break
+        if noise > NOISE_LIMIT:
+            warnings.warn(
+                f"Profiling: repeated timings of the same step differ too much (median {noise:.0%} above the fastest, "
+                f"after {rounds} rounds): something else is using this device, and the time model may be off. "
+                "Profile on a quiet machine, or give more `repeats`.",
+                stacklevel=4,
+            )
+        return statistics.median(empty), [statistics.median(column) for column in steps]
+
+    def _run_flops(self, repeats: int) -> Result:
+        n = len(self.params)
+        mem_weight = default_mem_weight(self.params[0].device)
+        ids = {id(p) for p in self.params}
+
+        def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+            inputs = tensors_in(args) + tensors_in(kwargs)
+            params = [t for t in inputs if id(t) in ids]
+            costs = op_costs(getattr(func, "__name__", ""), args, kwargs, out, params, mem_weight)
+            data_fns = [t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None]
+            return costs, data_fns
+
+        self._set_mask([True] * n)
+        recorder = OpRecorder(self.clock, keep)
+        with recorder:
+            loss = self._loss()
+        if not loss.requires_grad:
+            raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
+        record = Pass(op_names=recorder.names, op_kept=recorder.kept)
+        record.nodes = sorted(
+            (n for n in walk(loss.grad_fn) if n.name() != ACCUMULATE_GRAD), key=lambda n: n._sequence_nr()
+        )
+        record.leaf_nodes = [n for n in walk(loss.grad_fn) if n.name() == ACCUMULATE_GRAD]
+        structure = Structure(record, self.params)
+        del loss
+        t_fw = self.plain_median([False] * n, repeats)[0]
+        t_full = self.plain_median([True] * n, repeats)[1]
+        raw = structure.flop_costs(record)
+        # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
+        scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
+        raw.scale(scale)
+        return Result(structure.order, *raw.model(), t_fw=t_fw, t_full=t_full)
+

@@ -1,0 +1,315 @@
+"""One fit's runtime state: the tensors, the schedule, the measurements, the plan and what was selected.
+
+`FitSession` is created as each fit's training starts (so a second fit with the same callback starts clean),
+restored from a checkpoint, and saved into one. It measures every optimizer step (from the end of the one before,
+validation excepted), keeps the importance of every tensor up to date (in probe windows every tensor's, in between
+the trained tensors' own), and gives the user's `requires_grad` flags and BatchNorm modes back when the fit ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_elastic.distributed import SelectiveAllReduce
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.freezing import BnPolicy, apply_bn_policy, apply_mask, match_patterns
+from lightning_elastic.importance import ImportanceEvaluator
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.profiling.profile import mismatch
+from lightning_elastic.records import Mask, SelectionRecord
+from lightning_elastic.schedule import Schedule
+from lightning_elastic.timing import StepTimer
+
+TOTALS = (
+    "profile_seconds",
+    "probe_seconds",
+    "select_seconds",
+    "apply_seconds",
+    "warmup_seconds",
+    "compiled_graphs",
+    "nonfinite_steps",
+)
+
+
+@dataclass
+class FitSession:
+    """The state of one fit (see the module docstring). Built by `start`."""
+
+    schedule: Schedule
+    names: tuple[str, ...]
+    params: list[nn.Parameter]
+    required: Mask
+    forbidden: Mask
+    evaluator: ImportanceEvaluator
+    step_timer: StepTimer
+    optimizer_timer: StepTimer
+    overhead_timer: StepTimer
+    user_flags: list[tuple[nn.Parameter, bool]]
+    bn_policy: BnPolicy
+    plan: WallClockPlan | None = None
+    allreduce: SelectiveAllReduce | None = None
+    latest: list[float] = field(default_factory=list)  # per tensor: importance per step, as last measured
+    history: list[SelectionRecord] = field(default_factory=list)
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TOTALS, 0.0))
+    mask: Mask | None = None
+    probe_end: int | None = None
+    pending_selection: bool = False
+    bn_frozen: list[str] = field(default_factory=list)
+    probe_full: list[float] = field(default_factory=list)
+    probe_optimizer: list[float] = field(default_factory=list)
+    selected_steps: list[float] = field(default_factory=list)
+    step_at_batch_start: int = -1
+    warned_starved: bool = False
+    warned_nonfinite: bool = False
+    warming: bool = True  # the next step is the first with this trainable set (or of the process): not a sample
+    graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
+
+    @classmethod
+    def start(
+        cls,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prof: TimingProfile,
+        schedule: Schedule,
+        train_always: Sequence[str],
+        train_never: Sequence[str],
+        bn_policy: BnPolicy,
+        clock: Callable[[], float],
+    ) -> FitSession:
+        """Bind the profile's tensors of `pl_module`, with the pins and what the user froze, as training starts."""
+        reason = mismatch(prof, pl_module)
+        if reason is not None:
+            raise ElasticConfigError(
+                "`profile` must describe this module's parameters (names as `named_parameters()` gives them, their "
+                f"element counts, every tensor that requires grad): profile this module. Found: {reason}"
+            )
+        named = dict(pl_module.named_parameters())
+        params = [named[name] for name in prof.names]
+        required = Mask.of(match_patterns(prof.names, train_always, "train_always"))
+        never = match_patterns(prof.names, train_never, "train_never")
+        forbidden = Mask.of([a or not p.requires_grad for a, p in zip(never, params, strict=True)])
+        clash = [n for n, r, f in zip(prof.names, required, forbidden, strict=True) if r and f]
+        if clash:
+            raise ElasticConfigError(
+                "`train_always` must not name tensors that `train_never` names or that do not require grad. "
+                f"Found: {clash}"
+            )
+        sparse = {
+            f"{prefix}.{name}" if prefix else name
+            for prefix, module in pl_module.named_modules()
+            if getattr(module, "sparse", False) is True
+            for name, _ in module.named_parameters(recurse=False)
+        }
+        sparse_trained = [n for n, f in zip(prof.names, forbidden, strict=True) if n in sparse and not f]
+        if sparse_trained:
+            raise ElasticConfigError(
+                "`ElasticTensorSelection` needs dense gradients to measure importance: build embeddings with "
+                f"`sparse=False`, or keep them out with `train_never`. Found sparse gradients for: {sparse_trained}"
+            )
+        if all(forbidden):
+            raise ElasticConfigError(
+                "`train_never` must leave at least one trainable tensor. Found: every tensor excluded"
+            )
+        device = pl_module.device
+        return cls(
+            schedule=schedule,
+            names=prof.names,
+            params=params,
+            required=required,
+            forbidden=forbidden,
+            evaluator=ImportanceEvaluator(params),
+            step_timer=StepTimer(device, clock),
+            optimizer_timer=StepTimer(device, clock),
+            overhead_timer=StepTimer(device, clock),
+            user_flags=[(p, p.requires_grad) for p in pl_module.parameters()],
+            bn_policy=bn_policy,
+            latest=[0.0] * len(params),
+        )
+
+    # ------------------------------------------------------------------ steps and probe windows
+
+    def open_probe(self, trainer: L.Trainer, end: int) -> None:
+        """Train every candidate tensor until optimizer step `end`: their importance is measured afresh."""
+        self._fold_importance(trainer)
+        self.probe_end = end
+        self.probe_full, self.probe_optimizer = [], []
+        self.set_trainable([not f for f in self.forbidden])
+        self.bn_frozen = apply_bn_policy(trainer.lightning_module, self.bn_policy, self.bn_frozen)
+
+    def set_trainable(self, mask: Sequence[bool]) -> None:
+        """Set `requires_grad` to `mask`; if that changes the trainable set, the next step warms up."""
+        if [p.requires_grad for p in self.params] != list(mask):
+            apply_mask(self.params, mask)
+            self.warming = True
+
+    def close_probe(self) -> None:
+        """The window's full steps measure `T` for the plan."""
+        assert self.plan is not None
+        self.probe_end = None
+        self.plan.observe_full_steps(self.probe_full)
+        self.totals["probe_seconds"] += math.fsum(self.probe_full)
+
+    def check_trainable(self) -> None:
+        """Refuse a trainable set that something else changed: it would escape the plan and the selection.
+
+        Raises:
+            ElasticConfigError: naming the tensors whose `requires_grad` differs from what the callback set.
+        """
+        if self.mask is None and self.probe_end is None:
+            return  # before the first window opens nothing has been set yet
+        probing = self.probe_end is not None or self.pending_selection
+        expected = [not f for f in self.forbidden] if probing or self.mask is None else list(self.mask)
+        changed = [k for k, (p, e) in enumerate(zip(self.params, expected, strict=True)) if p.requires_grad != e]
+        if changed:
+            names = [self.names[k] for k in changed[:5]]
+            raise ElasticConfigError(
+                "`ElasticTensorSelection` must be the only one to set `requires_grad` during the fit (another "
+                "callback, e.g. `BackboneFinetuning`, or the module changed it; freeze for good with `train_never` "
+                f"instead). Found changed outside the callback: {names}"
+            )
+
+    def before_optimizer_step(self) -> None:
+        self.overhead_timer.start()
+        self.evaluator.before_step()
+        self.overhead_timer.stop()
+        self.optimizer_timer.start()
+
+    def after_optimizer_step(self) -> None:
+        """Measure the step that just ended (from the end of the one before) and charge it to the plan."""
+        assert self.plan is not None
+        self.optimizer_timer.stop()
+        self.overhead_timer.start()
+        self.evaluator.after_step()
+        self.overhead_timer.stop()
+        self.step_timer.stop()
+        self.step_timer.start()
+        seconds = math.fsum(self.step_timer.pop())
+        overhead = math.fsum(self.overhead_timer.pop())
+        optimizer = math.fsum(self.optimizer_timer.pop())
+        self.plan.spend(seconds, steps=1)
+        if self.warming:
+            # The first step with a new trainable set compiles (torch.compile guards on `requires_grad`) or
+            # allocates: charged to the fit, but no sample of the steady step time that `T` and the correction read.
+            self.warming = False
+            self.totals["warmup_seconds"] += seconds
+            self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)
+        elif self.probe_end is not None:
+            self.probe_full.append(seconds - overhead)  # a full step without the callback would not measure
+            self.probe_optimizer.append(optimizer)
+        else:
+            self.selected_steps.append(seconds)
+
+    # ------------------------------------------------------------------ what a selection reads
+
+    def importance(self, trainer: L.Trainer) -> list[float]:
+        """Every tensor's importance per step, the latest measured (the same on every rank)."""
+        self._fold_importance(trainer)
+        return list(self.latest)
+
+    def _fold_importance(self, trainer: L.Trainer) -> None:
+        """Move what the evaluator measured since its last reset into `latest`, as importance per step."""
+        counts, dropped = self.evaluator.counts, self.evaluator.nonfinite
+        if any(dropped):
+            self.totals["nonfinite_steps"] += sum(dropped)
+            if not self.warned_nonfinite:
+                self.warned_nonfinite = True
+                names = [n for n, d in zip(self.names, dropped, strict=True) if d][:5]
+                rank_zero_warn(
+                    f"ElasticTensorSelection: the importance of {names} "
+                    f"was not finite at {sum(dropped)} tensor steps (a NaN or inf gradient or update): those steps "
+                    "are left out and each tensor keeps its last finite importance. Counted as `nonfinite_steps` in "
+                    "the summary; warned once a fit."
+                )
+        if any(counts):
+            device = self.params[0].device
+            sums = trainer.strategy.reduce(self.evaluator.importance.to(device), reduce_op="mean").double().cpu()
+            for k, (total, count) in enumerate(zip(sums.tolist(), counts, strict=True)):
+                if count:
+                    self.latest[k] = total / count
+        self.evaluator.reset()
+
+    def probe_figures(self, trainer: L.Trainer) -> tuple[float, float]:
+        """The full step `T` and its optimizer update, as measured so far, averaged over ranks."""
+        assert self.plan is not None
+        optimizer = math.fsum(self.probe_optimizer) / len(self.probe_optimizer) if self.probe_optimizer else math.nan
+        full = self.plan.full_step if self.plan.full_samples else math.nan
+        figures = torch.tensor([full, optimizer], dtype=torch.float64, device=self.params[0].device)
+        full, optimizer = trainer.strategy.reduce(figures, reduce_op="mean").cpu().tolist()
+        return full, optimizer
+
+    def target(self, trainer: L.Trainer, step: int) -> float:
+        """The plan's step target until the horizon, averaged over ranks so that every rank decides alike."""
+        assert self.plan is not None
+        if self.plan.total_steps is not None:
+            horizon = self.plan.total_steps
+        else:
+            period = self.schedule.period
+            previous = step - self.history[-1].step if self.history else self.schedule.probe_steps
+            horizon = step + (int(period) if math.isfinite(period) else max(previous, 1))
+        ahead = self.schedule.probe_steps_between(step, horizon)
+        target = self.plan.target(step, horizon, ahead)
+        value = torch.tensor([target], dtype=torch.float64, device=self.params[0].device)
+        return float(trainer.strategy.reduce(value, reduce_op="mean").item())
+
+    # ------------------------------------------------------------------ the end of the fit, and checkpoints
+
+    def give_back(self, pl_module: nn.Module) -> None:
+        """The user's `requires_grad` flags and BatchNorm modes, as they were when the fit started."""
+        for param, flag in self.user_flags:
+            param.requires_grad_(flag)
+        self.bn_frozen = apply_bn_policy(pl_module, "update", self.bn_frozen)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "mask": None if self.mask is None else list(self.mask),
+            "probe_end": self.probe_end,
+            "pending_selection": self.pending_selection,
+            "importance": self.evaluator.state_dict(),
+            "latest": list(self.latest),
+            "history": [r.to_dict() for r in self.history],
+            "totals": dict(self.totals),
+            "bn_frozen": list(self.bn_frozen),
+            "plan": None if self.plan is None else self.plan.state_dict(),
+            "selected_steps": list(self.selected_steps),
+            "probe_optimizer": list(self.probe_optimizer),
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Put a checkpoint's selection, window, importance and account back before the first resumed step."""
+        if not state:
+            return
+        mask = state.get("mask")
+        if mask is not None and len(mask) == len(self.params):
+            self.mask = Mask.of(mask)
+            apply_mask(self.params, self.mask)
+        self.probe_end = state.get("probe_end")
+        self.pending_selection = bool(state.get("pending_selection", False))
+        if state.get("importance") is not None:
+            self.evaluator.load_state_dict(state["importance"])
+        if self.probe_end is not None or self.pending_selection:
+            apply_mask(self.params, [not f for f in self.forbidden])  # as the window left them
+        latest = state.get("latest")
+        if isinstance(latest, list) and len(latest) == len(self.params):
+            self.latest = [float(v) for v in latest]
+        self.history = [SelectionRecord.from_dict(r) for r in state.get("history", [])]
+        self.totals.update(state.get("totals", {}))
+        self.bn_frozen = list(state.get("bn_frozen", []))
+        self.selected_steps = [float(s) for s in state.get("selected_steps", [])]
+        self.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
+        if state.get("plan") and self.plan is not None:
+            restored = WallClockPlan.from_state(state["plan"])
+            self.plan = restored if restored.speedup == self.plan.speedup else self.plan
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's own counter)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -1,0 +1,303 @@
+"""Odd modules and odd runs: each ends in the same selection as the plain fit, or in a clear refusal before training."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
+from torch import nn
+
+from lightning_elastic import ElasticTensorSelection
+from lightning_elastic.errors import ElasticConfigError
+from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+
+PROFILE = synthetic_profile(TinyNet())
+
+
+def elastic(**kwargs: Any) -> ElasticTensorSelection:
+    settings: dict[str, Any] = dict(
+        speedup=1.6, interval=1, interval_unit="epoch", probe_steps=2, profile=PROFILE, calibrate=False
+    )
+    settings.update(kwargs)
+    return ElasticTensorSelection(**settings)
+
+
+class Masks(Callback):
+    """The trainable set of every optimizer step, by global step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, tuple[bool, ...]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.by_step[trainer.global_step] = tuple(p.requires_grad for p in pl_module.parameters())
+
+
+class MicroBatchMasks(Callback):
+    """The trainable set of every micro-batch, by the optimizer step it belongs to."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, list[tuple[bool, ...]]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.by_step.setdefault(trainer.global_step, []).append(tuple(p.requires_grad for p in pl_module.parameters()))
+
+
+class Crash(Callback):
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            raise RuntimeError("simulated crash")
+
+
+def test_resume_from_an_end_of_epoch_checkpoint_selects_what_the_uninterrupted_fit_selects(tmp_path: Path) -> None:
+    """The epoch's last step closed a probe window; its importance must survive into the resumed selection."""
+    torch.manual_seed(0)
+    plain = Masks()
+    tiny_trainer(callbacks=[elastic(), plain], max_epochs=4).fit(TinyNet(), tiny_data())
+
+    torch.manual_seed(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tiny_trainer(
+            callbacks=[elastic(), checkpoint, Crash(at_step=18)], max_epochs=4, enable_checkpointing=True
+        ).fit(TinyNet(), tiny_data())
+    ckpt = tmp_path / "epoch=1-step=16.ckpt"  # saved at the end of epoch 1: its window closed, a selection pending
+    resumed = Masks()
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[elastic(), resumed], max_epochs=4).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
+    assert sorted(resumed.by_step) == list(range(16, 32))
+    assert all(resumed.by_step[s] == plain.by_step[s] for s in resumed.by_step)
+
+
+def test_another_callback_that_unfreezes_tensors_is_refused() -> None:
+    class Backbone(TinyNet):
+        @property
+        def backbone(self) -> nn.Module:
+            return self.net[:4]
+
+    with pytest.raises(ElasticConfigError, match=r"must be the only one to set `requires_grad`.*Found changed"):
+        tiny_trainer(callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), elastic()], max_epochs=3).fit(
+            Backbone(), tiny_data()
+        )
+
+
+def test_lazy_modules_are_refused_before_training() -> None:
+    class Lazy(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net[0] = nn.LazyLinear(64)
+
+    with pytest.raises(ElasticConfigError, match=r"lazy modules must be materialised first.*net\.0\.weight"):
+        tiny_trainer(callbacks=[elastic(profile=None)], max_epochs=1).fit(Lazy(), tiny_data())
+
+
+def test_numpy_scalars_are_accepted() -> None:
+    callback = ElasticTensorSelection(speedup=np.float32(1.5), interval=np.int64(2), resolution=np.int32(500))
+    assert callback._interval == 2 and callback._speedup == 1.5 and callback._resolution == 500
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [(123, r"`cache_dir` must be a directory path, None \(the user cache\) or False. Found: 123"), (True, "True")],
+)
+def test_a_bad_cache_dir_is_refused_by_the_constructor(value: object, message: str) -> None:
+    with pytest.raises(ElasticConfigError, match=message):
+        ElasticTensorSelection(cache_dir=value)  # type: ignore[arg-type]
+
+
+def test_a_cache_dir_that_is_a_file_is_refused_before_profiling(tmp_path: Path) -> None:
+    file = tmp_path / "not_a_dir"
+    file.write_text("x")
+    with pytest.raises(ElasticConfigError, match=r"`cache_dir` must be a directory .*Found: a file"):
+        tiny_trainer(callbacks=[elastic(profile=None, cache_dir=file)], max_epochs=1).fit(TinyNet(), tiny_data())
+
+
+def test_a_gradient_accumulation_schedule_keeps_selecting_every_epoch() -> None:
+    """Epoch 0 steps every batch (8 steps), later epochs every 2 batches (4 steps): a selection as every epoch starts,
+    each after a probe window of the epoch before, and every micro-batch of a step trains the same tensors."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    callback, masks = elastic(), MicroBatchMasks()
+    tiny_trainer(callbacks=[callback, GradientAccumulationScheduler({1: 2}), masks], max_epochs=4).fit(
+        TinyNet(), tiny_data()
+    )
+    assert [(r.step, r.epoch) for r in callback.history] == [(2, 0), (8, 1), (12, 2), (16, 3)]
+    assert callback._fit is not None and callback._fit.plan is not None and callback._fit.plan.total_steps == 20
+    everything = (True,) * len(PROFILE.names)
+    windows = [0, 1, 6, 7, 10, 11, 14, 15]
+    assert [s for s in range(20) if masks.by_step[s] == [everything] * len(masks.by_step[s])] == windows
+    assert all(len(set(masks.by_step[s])) == 1 for s in range(20))
+    assert [len(masks.by_step[s]) for s in (0, 7, 8, 19)] == [1, 1, 2, 2]
+
+
+def test_a_sparse_embedding_is_refused_naming_the_parameter() -> None:
+    class Embedded(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 16, sparse=True)
+
+    with pytest.raises(
+        ElasticConfigError, match=r"needs dense gradients .* Found sparse gradients for: \['embed\.weight'\]"
+    ):
+        tiny_trainer(callbacks=[elastic(profile=synthetic_profile(Embedded()))], max_epochs=1).fit(
+            Embedded(), tiny_data()
+        )
+    callback = elastic(profile=synthetic_profile(Embedded()), train_never=["embed.*"])  # the way out it names
+    tiny_trainer(callbacks=[callback], max_epochs=2).fit(Embedded(), tiny_data())
+    assert [r.step for r in callback.history] == [2, 8] and not any(r.mask[-1] for r in callback.history)
+
+
+@pytest.mark.parametrize("probe_steps", [42, "auto"])
+def test_epochs_too_short_for_the_windows_waste_no_selection(probe_steps: int | str) -> None:
+    """48 steps an epoch: 42 probe steps would leave the first selection (step 42) overwritten by the next window
+    (steps 6 to 47 of the epoch) before it trains. The first window runs on to the epoch's end instead, said
+    before training; auto-sized windows leave every selection at least as many steps as they probed."""
+    callback, masks = elastic(probe_steps=probe_steps, speedup=1.3), Masks()
+    data = tiny_data(samples=192, batch_size=4)
+    trainer = tiny_trainer(callbacks=[callback, masks], max_epochs=2)
+    if probe_steps == 42:
+        with pytest.warns(UserWarning, match=r"`probe_steps` 42 leave the first selection no step to train .* "
+                          r"runs on until step 48 .* Fewer than 24 `probe_steps`"):
+            trainer.fit(TinyNet(), data)
+        assert [(r.step, r.epoch) for r in callback.history] == [(48, 1)]
+        assert all(all(masks.by_step[s]) for s in range(48)) and not all(masks.by_step[48])
+    else:
+        trainer.fit(TinyNet(), data)
+    assert callback._fit is not None
+    probes = callback._fit.schedule.probe_steps
+    least = probes if probe_steps == "auto" else 1  # an explicit window takes what it asks of later intervals
+    starts = [r.step for r in callback.history] + [96]
+    for record, start, end in zip(callback.history, starts, starts[1:], strict=False):
+        trained = [s for s in range(start, end) if masks.by_step[s] == tuple(record.mask)]
+        assert len(trained) >= least, (record.step, probes)
+
+
+def test_stochastic_weight_averaging_gets_the_users_model_back() -> None:
+    """SWA copies the model before training and averages it from epoch 2: its copy and the model it leaves keep
+    the user's flags (net.0.weight frozen by the user), every BatchNorm trains, and selections go on as usual."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    module = TinyNet()
+    module.net[0].weight.requires_grad_(False)
+    user_flags = [p.requires_grad for p in module.parameters()]
+    callback, swa = elastic(), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
+    tiny_trainer(callbacks=[callback, swa], max_epochs=4).fit(module, tiny_data())
+    assert [(r.step, r.epoch) for r in callback.history] == [(2, 0), (8, 1), (16, 2), (24, 3)]
+    assert all(not r.mask[0] for r in callback.history)
+    assert [p.requires_grad for p in module.parameters()] == user_flags
+    assert swa._average_model is not None
+    assert [p.requires_grad for p in swa._average_model.parameters()] == user_flags
+    assert all(m.training for m in module.modules())
+
+
+def test_step_intervals_with_max_steps_give_the_model_back() -> None:
+    callback, masks = elastic(interval=3, interval_unit="step"), Masks()
+    module = TinyNet()
+    tiny_trainer(callbacks=[callback, masks], max_steps=11, max_epochs=-1).fit(module, tiny_data())
+    assert [r.step for r in callback.history] == [3, 6, 9]  # the window [1, 3) would overwrite a selection at 2
+    assert not all(masks.by_step[10])  # the last step trained a selection
+    assert all(p.requires_grad for p in module.parameters()) and all(m.training for m in module.modules())
+
+
+class Tied(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[5].weight = self.net[3].weight  # one tensor, two layers
+
+
+class Unused(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(64, 64)  # never in the forward pass: no gradient, no importance
+
+
+class Groups(TinyNet):
+    def configure_optimizers(self) -> Any:
+        head = list(self.net[-1].parameters())
+        body = [p for p in self.parameters() if all(p is not h for h in head)]
+        return torch.optim.SGD([{"params": body, "lr": 0.01}, {"params": head, "lr": 0.1}], momentum=0.9)
+
+
+class Recurrent(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(16, 16, batch_first=True)
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sequence, _ = self.rnn(x.unsqueeze(1).expand(-1, 3, -1))
+        attended, _ = self.attention(sequence, sequence, sequence)
+        return self.net(attended.mean(dim=1) + x)
+
+
+class Values(Callback):
+    """Per optimizer step: which tensors changed value, by name."""
+
+    def __init__(self) -> None:
+        self.changed: dict[int, set[str]] = {}
+        self._before: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        named = dict(pl_module.named_parameters())
+        self.changed[trainer.global_step - 1] = {n for n, b in self._before.items() if not torch.equal(b, named[n])}
+
+
+@pytest.mark.parametrize("module_type", [Tied, Unused, Groups, Recurrent])
+def test_odd_modules_train_only_their_selection_and_get_their_flags_back(module_type: type[TinyNet]) -> None:
+    module = module_type()
+    callback, values, masks = elastic(profile=synthetic_profile(module)), Values(), Masks()
+    tiny_trainer(callbacks=[callback, values, masks], max_epochs=3).fit(module, tiny_data())
+    assert [(r.step, r.epoch) for r in callback.history] == [(2, 0), (8, 1), (16, 2)]
+    names = [n for n, _ in module.named_parameters()]
+    for step, changed in values.changed.items():
+        trainable = {n for n, t in zip(names, masks.by_step[step], strict=True) if t}
+        assert changed <= trainable, (step, changed - trainable)
+    if module_type is Unused:
+        assert not any(r.mask[names.index("spare.weight")] for r in callback.history)
+    assert all(p.requires_grad for p in module.parameters())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-true"])
+def test_cpu_precisions_select_on_schedule_with_finite_importance(precision: str) -> None:
+    callback = elastic()
+    tiny_trainer(callbacks=[callback], max_epochs=2, precision=precision).fit(TinyNet(), tiny_data())
+    assert [(r.step, r.epoch) for r in callback.history] == [(2, 0), (8, 1)]
+    assert all(math.isfinite(v) for r in callback.history for v in r.decision.importance)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"speedup": "2"}, r"`speedup` must be a finite number > 1. Found: '2'"),
+        ({"speedup": True}, r"`speedup` must be a finite number > 1. Found: True"),
+        ({"speedup": float("nan")}, r"`speedup` must be a finite number > 1. Found: nan"),
+        ({"interval": 2.0}, r"`interval` must be a positive int. Found: 2.0"),
+        ({"interval": True}, r"`interval` must be a positive int. Found: True"),
+        ({"interval_unit": None}, r"`interval_unit` must be one of \('epoch', 'step'\). Found: None"),
+        ({"probe_steps": "3"}, r"`probe_steps` must be a positive int or 'auto'. Found: '3'"),
+        ({"probe_steps": 0}, r"`probe_steps` must be a positive int or 'auto'. Found: 0"),
+        ({"time_model": 1}, r"`time_model` must be one of \('measured', 'flops'\). Found: 1"),
+        ({"train_never": [""]}, r"`train_never` must be a list of non-empty name patterns. Found: \[''\]"),
+        ({"train_always": [1]}, r"`train_always` must be a list of non-empty name patterns. Found: \[1\]"),
+        ({"bn_policy": None}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: None"),
+        ({"resolution": 10.5}, r"`resolution` must be a positive int. Found: 10.5"),
+        ({"profile": 3}, r"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: 3"),
+        ({"calibrate": "yes"}, r"`calibrate` must be True or False. Found: 'yes'"),
+        ({"log_images": 1}, r"`log_images` must be True or False. Found: 1"),
+        ({"clock": 0.0}, r"`clock` must be a callable returning seconds. Found: 0.0"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused_by_the_constructor(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ElasticConfigError, match=message):
+        ElasticTensorSelection(**kwargs)

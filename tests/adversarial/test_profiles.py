@@ -1,0 +1,114 @@
+"""Profiles that must be taken on the real training step, leave no trace, and never be reused for another model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_elastic import ElasticTensorSelection, TimingProfile
+from lightning_elastic.errors import ElasticConfigError
+from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+
+
+def profiling(**kwargs: Any) -> ElasticTensorSelection:
+    """The callback profiling for real (no given profile), with no cache: every fit measures."""
+    settings: dict[str, Any] = dict(
+        speedup=1.6, interval=1, interval_unit="epoch", probe_steps=2, calibrate=False, cache_dir=False
+    )
+    settings.update(kwargs)
+    return ElasticTensorSelection(**settings)
+
+
+class DtypeSeen(TinyNet):
+    """Records the dtype of every input that reaches `training_step`, the profiling passes' included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.dtype] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.seen.append(batch[0].dtype)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64)])
+def test_true_precision_profiles_the_converted_batch(precision: str, dtype: torch.dtype) -> None:
+    """Profiling goes through the precision plugin's input conversion, as Lightning's own training step does."""
+    torch.manual_seed(0)
+    module = DtypeSeen()
+    callback = profiling(speedup=1.05)  # reachable whatever this machine's timings: the point is the fit's start
+    trainer = tiny_trainer(callbacks=[callback], precision=precision, max_steps=3)
+    trainer.fit(module, tiny_data())
+    assert trainer.global_step == 3
+    assert callback.timing_profile is not None
+    assert callback.timing_profile.names == tuple(n for n, _ in module.named_parameters())
+    assert len(module.seen) > 3  # the profiling passes ran the training step too
+    assert set(module.seen) == {dtype}
+
+
+@pytest.mark.parametrize(
+    ("other", "found"),
+    [
+        pytest.param(
+            lambda: synthetic_profile(TinyNet().net[:6]),
+            r"Found: trainable tensors it does not cover: \['net.7.weight', 'net.7.bias'\]",
+            id="a subset of the names",
+        ),
+        pytest.param(
+            lambda: synthetic_profile(TinyNet(width=32)),
+            r"Found: element counts that differ: \['net.0.weight \(512 elements profiled, 1024 in the module\)'",
+            id="other sizes",
+        ),
+    ],
+)
+def test_a_given_profile_of_another_model_is_refused(other: Callable[[], TimingProfile], found: str) -> None:
+    """Unprofiled tensors would train outside the budget, and other sizes cost otherwise: refused before training."""
+    prof = other()
+    if prof.names[0].startswith("0."):
+        prof = replace(prof, names=tuple("net." + n for n in prof.names))
+    callback = ElasticTensorSelection(speedup=1.6, probe_steps=2, profile=prof, calibrate=False)
+    trainer = tiny_trainer(callbacks=[callback], max_steps=3)
+    with pytest.raises(ElasticConfigError, match=r"`profile` must describe this module's parameters .*" + found):
+        trainer.fit(TinyNet(), tiny_data())
+    assert trainer.global_step == 0
+
+
+class Activated(TinyNet):
+    """TinyNet whose activations are a functional op that can change between fits, parameters untouched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activation: Callable[[Tensor], Tensor] = torch.relu
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for layer in self.net:
+            h = self.activation(h) if isinstance(layer, nn.ReLU) else layer(h)
+        return h
+
+
+def test_the_previous_fits_profile_is_kept_for_the_same_step_and_measured_again_for_a_changed_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    module = Activated()
+    callback = profiling(speedup=1.05)
+    tiny_trainer(callbacks=[callback], max_steps=2).fit(module, tiny_data())
+    first = callback.timing_profile
+    tiny_trainer(callbacks=[callback], max_steps=2).fit(module, tiny_data())
+    assert callback.timing_profile is first  # the same step: no profiling again
+
+    module.activation = torch.tanh
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[callback], max_steps=2).fit(module, tiny_data())
+    assert callback.timing_profile is not first and callback.timing_profile is not None
+    assert callback.timing_profile.fingerprint != first.fingerprint
+    assert "the previous fit's timing profile does not describe this model (the training step's fingerprint" in (
+        caplog.text
+    )

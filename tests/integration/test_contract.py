@@ -1,0 +1,230 @@
+"""The wall-clock contract in a real Trainer, on a simulated device whose clock the test drives.
+
+`VirtualDevice` advances an injected clock by what each step costs on a device where the time model is off by a
+known factor; the callback measures that clock. Its whole fit must land on `full fit / speedup`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_elastic import ElasticTensorSelection
+from lightning_elastic.callback import _at_most
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.time_model import StepTimeModel
+from tests.integration.test_callback import ListLogger
+from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+
+# Seconds-scale costs, so that the real microseconds the callback's own work takes are negligible.
+PROFILE = dataclasses.replace(
+    synthetic_profile(TinyNet()),
+    t_dw=tuple(1e4 * t for t in synthetic_profile(TinyNet()).t_dw),
+    t_dy=tuple(1e4 * t for t in synthetic_profile(TinyNet()).t_dy),
+    t_fw=1e4 * synthetic_profile(TinyNet()).t_fw,
+    t_full=1e4 * synthetic_profile(TinyNet()).t_full,
+)
+
+
+class VirtualDevice(Callback):
+    """A clock that each training step advances by `error` x the time model's cost of the trainable set."""
+
+    def __init__(self, error: float, compile_seconds: float = 0.0) -> None:
+        self.now = 0.0
+        self.error = error
+        self.compile_seconds = compile_seconds  # paid by the first step of every new trainable set, as compiling
+        self.model = StepTimeModel.from_profile(PROFILE)
+        self.full_seconds = 0.0
+        self.compiles = 0
+        self._last: tuple[bool, ...] | None = None
+
+    def clock(self) -> float:
+        return self.now
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        named = dict(pl_module.named_parameters())
+        trainable = tuple(named[n].requires_grad for n in PROFILE.names)  # what this step's backward ran for
+        self.now += self.error * self.model.predict(trainable)
+        self.full_seconds += self.error * self.model.full
+        if trainable != self._last:
+            self.compiles += 1
+            self.now += self.compile_seconds
+        self._last = trainable
+
+
+def virtual_fit(
+    error: float, speedup: float, max_steps: int, compile_seconds: float = 0.0, **kwargs: Any
+) -> tuple[ElasticTensorSelection, float]:
+    device = VirtualDevice(error, compile_seconds)
+    callback = ElasticTensorSelection(speedup=speedup, profile=PROFILE, clock=device.clock, **kwargs)
+    # The device is listed first: it has advanced the clock when the callback reads it.
+    tiny_trainer(callbacks=[device, callback], max_steps=max_steps, max_epochs=-1).fit(TinyNet(), tiny_data())
+    return callback, device.full_seconds
+
+
+@pytest.mark.parametrize("error", [0.7, 1.0, 1.3])
+def test_the_whole_fit_lands_on_the_asked_speedup_when_the_time_model_is_off(error: float) -> None:
+    callback, full_fit = virtual_fit(error, speedup=1.5, max_steps=160, interval=4, interval_unit="step")
+    summary = callback.summary()
+    assert summary["selections"] >= 39
+    # every step, probe windows included, was spent; the full fit is what training everything would cost
+    assert full_fit / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03), (error, summary)
+    assert summary["fit_speedup"] == pytest.approx(full_fit / summary["spent_seconds"], rel=1e-6)
+
+
+def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time() -> None:
+    """Compiling costs the first step of every new trainable set 5 full steps: the plan still learns `T` and the
+    correction from steady steps (exactly those of the fit without compiling), and the fit pays for every compile."""
+    settings: dict[str, Any] = dict(speedup=1.5, interval=8, interval_unit="step", probe_steps=3)
+    device = VirtualDevice(1.0, compile_seconds=5 * PROFILE.t_full)
+    compiled = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
+    torch.manual_seed(0)
+    plain_device = VirtualDevice(1.0)
+    plain = ElasticTensorSelection(profile=PROFILE, clock=plain_device.clock, **settings)
+    for device_, callback in ((plain_device, plain), (device, compiled)):
+        torch.manual_seed(0)
+        tiny_trainer(callbacks=[device_, callback], max_steps=80, max_epochs=-1).fit(TinyNet(), tiny_data())
+    assert [r.full_seconds for r in compiled.history] == pytest.approx([r.full_seconds for r in plain.history])
+    assert [r.full_seconds for r in compiled.history] == pytest.approx([PROFILE.t_full] * len(plain.history))
+    assert compiled._fit is not None and compiled._fit.plan is not None
+    assert plain._fit is not None and plain._fit.plan is not None
+    assert compiled._fit.plan.correction == pytest.approx(1.0) and plain._fit.plan.correction == pytest.approx(1.0)
+    assert device.compiles >= 2 * len(compiled.history) - 1
+    summary = compiled.summary()
+    assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-6)  # compiling included
+    # every compile is a warm-up step: its compile and at most one full step
+    assert device.compiles * 5 * PROFILE.t_full < summary["warmup_seconds"] < device.compiles * 6 * PROFILE.t_full
+
+
+def test_without_calibration_the_measured_speedup_is_measured_against_measured() -> None:
+    """The device is 2.5x slower than the profile says: the logged speedup of each interval is still the true one
+    (the full step measured in the probe windows over the interval's measured step), never profile over measured."""
+    device, logger = VirtualDevice(2.5), ListLogger()
+    callback = ElasticTensorSelection(
+        speedup=1.5, interval=8, interval_unit="step", probe_steps=3, profile=PROFILE, clock=device.clock,
+        calibrate=False,
+    )
+    tiny_trainer(callbacks=[device, callback], max_steps=48, max_epochs=-1, logger=logger).fit(TinyNet(), tiny_data())
+    logged = [m["elastic/measured_speedup"] for _, m in logger.metrics if "elastic/measured_speedup" in m]
+    model = StepTimeModel.from_profile(PROFILE)
+    # each interval closes as the next selection starts; the last closes as training ends
+    expected = [model.full / model.predict(r.mask) for r in callback.history]
+    assert logged == pytest.approx(expected, rel=1e-6)
+    assert callback.summary()["measured_speedup"] > 1
+
+
+def test_a_ceiling_is_never_shown_rounded_up() -> None:
+    assert [_at_most(v) for v in (1.0549, 1.0499, 2.0, 3.3399)] == ["1.05", "1.04", "2.00", "3.33"]
+
+
+def test_auto_probe_windows_stay_within_their_share() -> None:
+    callback, _ = virtual_fit(1.0, speedup=1.5, max_steps=160, interval=2)
+    fit = callback._fit
+    assert fit is not None
+    probes = fit.schedule.probe_steps_between(0, 160)
+    # 3% of the planned fit: probes * (s - 1) / N <= 0.03 -> at most 9 steps for 160 steps at 1.5
+    assert 1 <= probes <= 9 and fit.schedule.probe_every > 1
+
+
+def test_an_unreachable_contract_is_refused_before_training() -> None:
+    trained: list[int] = []
+
+    class Steps(Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            trained.append(trainer.global_step)
+
+    callback = ElasticTensorSelection(speedup=1.9, probe_steps=4, interval=1, profile=PROFILE)
+    with pytest.raises(
+        ElasticConfigError,
+        match=r"`speedup` must be at most 1\.\d\d for this model on this device in a fit of 24 steps with 12 probe "
+        r"steps at full cost: .* use fewer `probe_steps`, .* Found: 1.9",
+    ):
+        tiny_trainer(callbacks=[callback, Steps()], max_epochs=3).fit(TinyNet(), tiny_data())
+    assert trained == []
+
+
+class Crash(Callback):
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            raise RuntimeError("simulated crash")
+
+
+class PlanAtStart(Callback):
+    """The elastic callback's plan as the first resumed step starts."""
+
+    def __init__(self, elastic: ElasticTensorSelection) -> None:
+        self.elastic = elastic
+        self.plan: dict[str, Any] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.plan is None and self.elastic._fit is not None and self.elastic._fit.plan is not None:
+            self.plan = self.elastic._fit.plan.state_dict()
+
+
+def test_resume_keeps_the_account(tmp_path: Path) -> None:
+    device = VirtualDevice(1.0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=20, save_top_k=-1)
+    first = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tiny_trainer(
+            callbacks=[device, first, checkpoint, Crash(25)], max_steps=60, max_epochs=-1, enable_checkpointing=True
+        ).fit(TinyNet(), tiny_data())
+    ckpt = next(tmp_path.glob("*step=20.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    state = next(v for k, v in saved.items() if "ElasticTensorSelection" in k)
+    assert state["plan"]["steps_done"] == 20 and state["plan"]["spent"] > 0
+
+    resumed = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
+    watch = PlanAtStart(resumed)
+    tiny_trainer(callbacks=[device, resumed, watch], max_steps=60, max_epochs=-1).fit(
+        TinyNet(), tiny_data(), ckpt_path=ckpt
+    )
+    assert watch.plan is not None
+    assert WallClockPlan.from_state(watch.plan) == WallClockPlan.from_state(state["plan"])
+    assert resumed.summary()["fit_speedup"] > 1.0
+
+
+def test_the_model_is_given_back_as_the_user_had_it() -> None:
+    """A fit ending while a selection is in force leaves every tensor's `requires_grad` as it was before."""
+    module = TinyNet()
+    module.net[0].bias.requires_grad_(False)  # frozen by the user
+    callback = ElasticTensorSelection(
+        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=PROFILE, calibrate=False
+    )
+    during: list[tuple[bool, ...]] = []
+
+    class Watch(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            during.append(tuple(p.requires_grad for p in pl_module.parameters()))
+
+    tiny_trainer(callbacks=[callback, Watch()], max_steps=7).fit(module, tiny_data())
+    assert not all(during[-1])  # a selection was in force when the fit ended
+    assert [p.requires_grad for p in module.parameters()] == [n != "net.0.bias" for n, _ in module.named_parameters()]
+
+
+def test_a_second_fit_starts_clean() -> None:
+    callback = ElasticTensorSelection(speedup=1.6, interval=1, probe_steps=2, profile=PROFILE, calibrate=False)
+    tiny_trainer(callbacks=[callback], max_epochs=3).fit(TinyNet(), tiny_data())
+    assert [r.epoch for r in callback.history] == [0, 1, 2]
+    tiny_trainer(callbacks=[callback], max_epochs=2).fit(TinyNet(), tiny_data())
+    assert [r.epoch for r in callback.history] == [0, 1]
+    assert callback.summary()["selections"] == 2
+    assert all(math.isfinite(v) for v in callback.history[0].decision.importance)
+    assert any(callback.history[0].decision.importance)  # measured in this fit's window, not zero
+
+
+def test_two_instances_in_one_trainer() -> None:
+    first = ElasticTensorSelection(speedup=1.6, probe_steps=2, profile=PROFILE, calibrate=False)
+    second = ElasticTensorSelection(speedup=1.4, probe_steps=2, profile=PROFILE, calibrate=False)
+    assert first.state_key != second.state_key

@@ -1,0 +1,129 @@
+"""The `TimingProfile` type, its validation and its cache."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import Tensor, nn
+
+from lightning_elastic.profiling import TimingProfile, profile
+from tests.unit.profiling.fakes import small
+
+
+def test_cache_hit_reuses_the_stored_profile(tmp_path: Path) -> None:
+    net, loss_fn = small()
+    first = profile(net, loss_fn, cache_dir=tmp_path, repeats=1)
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".json"
+    calls = 0
+
+    def counting() -> Tensor:
+        nonlocal calls
+        calls += 1
+        return loss_fn()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = profile(net, counting, cache_dir=tmp_path, repeats=1)
+    assert second == first
+    assert calls == 1  # one forward pass to fingerprint the inputs, no measurement
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda d: {**d, "version": 0}, "stale"),
+        (lambda d: {**d, "fingerprint": "0" * 64}, "does not match"),
+        (lambda d: {**d, "t_dw": "oops"}, "corrupt"),
+        (None, "corrupt"),
+    ],
+)
+def test_bad_cache_file_is_reported_and_replaced(
+    tmp_path: Path, damage: Callable[[dict[str, Any]], dict[str, Any]] | None, reason: str
+) -> None:
+    net, loss_fn = small()
+    first = profile(net, loss_fn, cache_dir=tmp_path, repeats=1)
+    (path,) = tmp_path.iterdir()
+    if damage is None:
+        path.write_text('{"version": 1, "names": [')
+    else:
+        path.write_text(json.dumps(damage(json.loads(path.read_text()))))
+    with pytest.warns(UserWarning, match=reason) as record:
+        again = profile(net, loss_fn, cache_dir=tmp_path, repeats=1)
+    assert str(path) in str(record[0].message)
+    assert again.fingerprint == first.fingerprint
+    assert TimingProfile.from_dict(json.loads(path.read_text())) == again
+    assert list(tmp_path.iterdir()) == [path]  # overwritten in place, no temporary file left
+
+
+def test_fingerprint_depends_on_input_shape(tmp_path: Path) -> None:
+    net, _ = small()
+    a = profile(net, lambda: net(torch.randn(8, 16)).sum(), cache_dir=tmp_path, repeats=1)
+    b = profile(net, lambda: net(torch.randn(5, 16)).sum(), cache_dir=tmp_path, repeats=1)
+    assert a.fingerprint != b.fingerprint
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_predict_and_from_dict_validate() -> None:
+    prof = TimingProfile(("a", "b"), (1.0, 2.0), (0.0, 1.0), 3.0, 7.0, "cpu", "f", (), "measured", (1, 2))
+    with pytest.raises(ValueError, match=r"`mask` must have one entry per profiled tensor \(2\). Found: 3"):
+        prof.predict([True, False, True])
+    data = prof.to_dict()
+    with pytest.raises(ValueError, match=r'`data\["t_fw"\]` must be a number'):
+        TimingProfile.from_dict({**data, "t_fw": "x"})
+    with pytest.raises(ValueError, match="`t_dy` has 1 entries"):
+        TimingProfile.from_dict({**data, "t_dy": [0.0]})
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        TimingProfile.from_dict({**data, "t_full": -1.0})
+
+
+class _Switchable(nn.Module):
+    """Two blocks whose activation and gradient checkpointing can change without touching any parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 32)
+        self.second = nn.Linear(32, 4)
+        self.activation: Callable[[Tensor], Tensor] = torch.relu
+        self.checkpointing = False
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.checkpointing = True
+
+    def _block(self, x: Tensor) -> Tensor:
+        return self.activation(self.first(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.checkpointing:
+            h = torch.utils.checkpoint.checkpoint(self._block, x, use_reentrant=False)
+        else:
+            h = self._block(x)
+        return self.second(h)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda net: net.gradient_checkpointing_enable(), id="gradient checkpointing"),
+        pytest.param(lambda net: setattr(net, "activation", torch.tanh), id="a functional op"),
+    ],
+)
+def test_fingerprint_depends_on_the_graph(tmp_path: Path, change: Callable[[_Switchable], None]) -> None:
+    """Same parameters, same module calls, another graph: its costs differ, so its cached profile does too."""
+    torch.manual_seed(0)
+    net = _Switchable()
+    x = torch.randn(8, 16)
+    plain = profile(net, lambda: net(x).sum(), cache_dir=tmp_path, repeats=1)
+    change(net)
+    changed = profile(net, lambda: net(x).sum(), cache_dir=tmp_path, repeats=1)
+    assert changed.fingerprint != plain.fingerprint
+    assert len(list(tmp_path.iterdir())) == 2
+    again = profile(net, lambda: net(x).sum(), cache_dir=tmp_path, repeats=1)
+    assert again == changed  # the changed model's own profile is found in the cache

@@ -1,0 +1,155 @@
+"""The baselines' freezing policies: which tensors each trains, checked against the model's real layers."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from elastic_zoo.baselines import (
+    TrainOnly,
+    attach_backbone,
+    bitfit,
+    head_only,
+    last_k_within_budget,
+    train_only,
+)
+from elastic_zoo.models import efficientnet_lite0, tiny_cnn
+from elastic_zoo.module import ImageClassifier
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.time_model import StepTimeModel
+from tests.integration.tiny import tiny_trainer
+
+
+def test_bitfit_on_lite0_trains_exactly_the_head_and_the_batchnorm_layers() -> None:
+    module = ImageClassifier(efficientnet_lite0(num_classes=4, pretrained=False), num_classes=4)
+    # Reference: Lite0's convolutions have no bias, so BitFit is every BatchNorm parameter plus the new head.
+    norms = {
+        f"{prefix}.{name}"
+        for prefix, layer in module.named_modules()
+        if isinstance(layer, nn.BatchNorm2d)
+        for name, _ in layer.named_parameters()
+    }
+    assert set(bitfit(module, ["model._fc.*"])) == norms | {"model._fc.weight", "model._fc.bias"}
+    assert head_only(module, ["model._fc.*"]) == ["model._fc.weight", "model._fc.bias"]
+
+
+def test_bitfit_adds_the_biases_of_layers_that_have_them() -> None:
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm(4), nn.Linear(4, 4, bias=False), nn.Linear(4, 2))
+    assert bitfit(net, ["3.*"]) == ["0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+    with pytest.raises(
+        ValueError, match=r"`head` patterns must each match .* Found patterns matching nothing: \['fc\.\*'\]"
+    ):
+        head_only(net, ["fc.*"])
+
+
+def _random_profile(n: int, rng: random.Random) -> TimingProfile:
+    return TimingProfile(
+        names=tuple(f"t{i}" for i in range(n)),
+        t_dw=tuple(rng.uniform(0.1, 2.0) for _ in range(n)),
+        t_dy=(0.0, *(rng.uniform(0.0, 2.0) for _ in range(n - 1))),
+        t_fw=rng.uniform(1.0, 5.0),
+        t_full=10.0,
+        device="cpu",
+        fingerprint="f",
+        unused=(),
+        method="measured",
+        numel=(1,) * n,
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_last_k_is_the_longest_suffix_that_fits_the_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    prof = _random_profile(rng.randint(2, 9), rng)
+    model = StepTimeModel.from_profile(prof)
+    n, speedup = len(prof.names), rng.uniform(1.1, 2.5)
+    head = [prof.names[-1]]
+    limit = model.full / speedup
+    # Brute force over every suffix length: the longest one (with the head) predicted within the budget.
+    fitting = [k for k in range(1, n + 1) if model.predict([i >= n - k for i in range(n)]) <= limit]
+    if not fitting:
+        with pytest.raises(ValueError, match=r"`speedup` must be at most .* Found: "):
+            last_k_within_budget(prof, speedup, head)
+        return
+    assert last_k_within_budget(prof, speedup, head) == list(prof.names[n - max(fitting) :])
+
+
+def test_last_k_keeps_a_head_that_is_not_at_the_end() -> None:
+    prof = TimingProfile(
+        names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=1.0, t_full=6.0,
+        device="cpu", fingerprint="f", unused=(), method="measured", numel=(1, 1, 1),
+    )  # fmt: skip
+    # full = t_fw 1 + t_dw 3 + t_dy 2 = 6, budget 6 / 2 = 3: {c} costs 1 + 1 = 2, {b, c} 1 + 2 + 1 = 4.
+    assert last_k_within_budget(prof, 2.0) == ["c"]
+    # Pinning `a` costs 1 + 1 + 2 = 4 on its own: two thirds of a full step, over the budget.
+    with pytest.raises(ValueError, match=r"`speedup` must be at most 1.50 .* takes 67% of a full step. Found: 2"):
+        last_k_within_budget(prof, 2.0, ["a"])
+    assert last_k_within_budget(prof, 1.5, ["a"]) == ["a"]
+    with pytest.raises(ValueError, match=r"`speedup` must be a number > 1. Found: 1"):
+        last_k_within_budget(prof, 1)
+
+
+def test_train_only_sets_requires_grad_and_drops_frozen_gradients() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    net(torch.randn(3, 2)).sum().backward()
+    assert train_only(net, ["1.weight", "1.bias"]) == 2
+    assert [p.requires_grad for p in net.parameters()] == [False, False, True, True]
+    assert net[0].weight.grad is None and net[1].weight.grad is not None
+    with pytest.raises(
+        ValueError, match=r"`names` must be parameter names of the module. Found unknown names: \['2.bias'\]"
+    ):
+        train_only(net, ["2.bias"])
+
+
+def _images(samples: int = 32) -> DataLoader[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(samples, 3, 8, 8, generator=generator)
+    return DataLoader(TensorDataset(images, torch.arange(samples) % 2), batch_size=8)
+
+
+def test_train_only_callback_updates_only_the_named_tensors_and_gives_the_optimizer_only_those() -> None:
+    module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2, lr=0.05)
+    names = head_only(module, ["model.10.*"])
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer = tiny_trainer(max_epochs=1, callbacks=[TrainOnly(names)])
+    trainer.fit(module, _images())
+    changed = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == set(names)
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimized == {id(p) for n, p in module.named_parameters() if n in names}
+    with pytest.raises(ValueError, match=r"`names` must name at least one parameter to train. Found: none"):
+        TrainOnly([])
+
+
+def test_attached_backbone_is_every_parameter_but_the_head_and_changes_no_name() -> None:
+    module = ImageClassifier(efficientnet_lite0(num_classes=3, pretrained=False), num_classes=3)
+    keys = list(module.state_dict())
+    backbone = attach_backbone(module, ["model._fc.*"])
+    in_backbone = {id(p) for p in backbone.parameters()}
+    expected = {id(p) for n, p in module.named_parameters() if not n.startswith("model._fc.")}
+    assert in_backbone == expected
+    assert list(module.state_dict()) == keys and module.backbone is backbone
+
+
+def test_backbone_finetuning_trains_the_head_then_everything() -> None:
+    module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2, lr=0.05)
+    attach_backbone(module, ["model.10.*"])
+    changed_per_epoch = []
+    snapshot = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    class Watch(BackboneFinetuning):
+        def on_train_epoch_end(self, trainer: object, pl_module: nn.Module) -> None:  # type: ignore[override]
+            changed_per_epoch.append({n for n, p in pl_module.named_parameters() if not torch.equal(p, snapshot[n])})
+            snapshot.update({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+    tiny_trainer(max_epochs=2, callbacks=[Watch(unfreeze_backbone_at_epoch=1)]).fit(module, _images())
+    convs = {f"model.{i}.{k}" for i, k in itertools.product((0, 3, 6), ("weight", "bias"))}
+    # Epoch 0: the head and the BatchNorm layers (Lightning's train_bn=True); epoch 1: every tensor.
+    assert changed_per_epoch[0] == {n for n, _ in module.named_parameters()} - convs
+    assert changed_per_epoch[1] == {n for n, _ in module.named_parameters()}
