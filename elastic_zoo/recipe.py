@@ -32,7 +32,7 @@ from torch import nn
 from typing_extensions import override
 
 from elastic_zoo.data import ImageDataModule
-from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.errors import ElasticConfigError, is_positive_int
 
 T = TypeVar("T")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -137,7 +137,7 @@ def set_threads(cfg: DictConfig) -> None:
     A recipe may call this before checking its config: `check_settings` reports any other value.
     """
     threads = cfg.device.get("threads")
-    if _positive_int(threads):
+    if is_positive_int(threads):
         torch.set_num_threads(threads)
 
 
@@ -148,14 +148,14 @@ def check_settings(cfg: DictConfig) -> list[str]:
     if not _valid_seed(seed):
         problems.add("top level", f"`seed` must be an int from 0 to {MAX_SEED}. Found: {seed!r}")
     threads = cfg.device.get("threads")
-    if threads is not None and not _positive_int(threads):
+    if threads is not None and not is_positive_int(threads):
         problems.add("device", f"`threads` must be a positive int or null. Found: {threads!r}")
     power = cfg.device.get("power_watts")
     if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power <= 0:
         problems.add("device", f"`power_watts` must be a positive number of watts. Found: {power!r}")
     size = cfg.dataset.get("image_size")
     low, high = cfg.model.get("min_image_size"), cfg.model.get("max_image_size")
-    if _positive_int(size) and ((low is not None and size < low) or (high is not None and size > high)):
+    if is_positive_int(size) and ((low is not None and size < low) or (high is not None and size > high)):
         allowed = f"exactly {low}" if low == high else f"at least {low}" + (f" and at most {high}" if high else "")
         model = cfg.model.net.get("name") or str(cfg.model.net._target_).rsplit(".", 1)[-1]
         problems.add("dataset", f"`image_size` must be {allowed} for {model}. Found: {size}")
@@ -254,10 +254,6 @@ def _enabled(cfg: DictConfig, group: str) -> bool:
 
 def _valid_seed(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # Lightning's lines that say nothing about this run (cloud offers, accelerators the machine lacks) and warnings raised

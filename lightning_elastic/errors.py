@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 
 class ElasticConfigError(ValueError):
     """A setting of `ElasticTensorSelection` that is invalid, or that fails against the model, data or device.
@@ -17,3 +19,13 @@ class ElasticConfigError(ValueError):
         ...     print(err)
         `speedup` must be a finite number > 1. Found: 0.5
     """
+
+
+def is_positive_int(value: object) -> bool:
+    """Whether `value` is a positive integer (a bool is not, a NumPy integer is).
+
+    Example:
+        >>> is_positive_int(3), is_positive_int(0), is_positive_int(True), is_positive_int(2.0)
+        (True, False, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) > 0
