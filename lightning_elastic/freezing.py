@@ -1,4 +1,4 @@
-"""Applying a selection to a model: `requires_grad` on every tensor, and the BatchNorm policy.
+"""Applying a selection to a model: which tensors may train, `requires_grad` on every tensor, the BatchNorm policy.
 
 `requires_grad=False` is what makes autograd skip a tensor's weight-gradient kernel and stop back-propagation
 at the deepest tensor that still needs a gradient; masking gradients would save nothing. Frozen tensors get
@@ -12,9 +12,11 @@ from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Literal
 
+import torch
 from torch import nn
 
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.records import Mask
 
 BnPolicy = Literal["update", "freeze"]
 BN_POLICIES: tuple[str, ...] = ("update", "freeze")
@@ -38,6 +40,32 @@ def match_patterns(names: Sequence[str], patterns: Iterable[str], setting: str) 
             f"'classifier.*'; names: {shown}). Found patterns matching nothing: {unmatched}"
         )
     return tuple(any(fnmatchcase(n, p) for p in patterns) for n in names)
+
+
+def pins(
+    names: Sequence[str], params: Sequence[nn.Parameter], train_always: Iterable[str], train_never: Iterable[str]
+) -> tuple[Mask, Mask]:
+    """The tensors every selection trains (`train_always`) and those none trains (`train_never`, or not trainable).
+
+    Raises:
+        ElasticConfigError: a pattern that matches nothing, a tensor pinned both ways, or nothing left to train.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> pins(["weight", "bias"], [layer.weight, layer.bias], ["bias"], [])
+        (Mask(flags=(False, True)), Mask(flags=(False, False)))
+    """
+    required = Mask.of(match_patterns(names, train_always, "train_always"))
+    never = match_patterns(names, train_never, "train_never")
+    forbidden = Mask.of([a or not p.requires_grad for a, p in zip(never, params, strict=True)])
+    clash = [n for n, r, f in zip(names, required, forbidden, strict=True) if r and f]
+    if clash:
+        raise ElasticConfigError(
+            f"`train_always` must not name tensors that `train_never` names or that do not require grad. Found: {clash}"
+        )
+    if all(forbidden):
+        raise ElasticConfigError("`train_never` must leave at least one trainable tensor. Found: every tensor excluded")
+    return required, forbidden
 
 
 def apply_mask(params: Sequence[nn.Parameter], mask: Sequence[bool]) -> int:
@@ -94,3 +122,15 @@ def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Itera
         elif name in previously:
             module.train(model.training)
     return frozen
+
+
+def invalidate_compiled_graphs(model: nn.Module) -> None:
+    """Drop torch.compile's graphs of the previous selection.
+
+    Dynamo's guards on `requires_grad` already keep a stale graph from running, but each new selection adds a
+    cache entry; past the cache-size limit dynamo silently falls back to eager mode. Resetting keeps one graph, so
+    each change of the trainable set compiles once: that first step is charged to the fit as warm-up
+    (`warmup_seconds`, `compiled_graphs` in the summary) and kept out of the step times the plan learns from.
+    """
+    if any(type(m).__name__ == "OptimizedModule" for m in model.modules()) or getattr(model, "_compiler_ctx", None):
+        torch._dynamo.reset()

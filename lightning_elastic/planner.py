@@ -11,14 +11,21 @@ unknown) what is left: probe steps ahead are charged at `T` each, the selected s
 selected steps feed back twice: they are spent (so any error is made up for later), and the ratio of measured to
 predicted seconds corrects the time model's next predictions (so the error is not made again).
 
+Before training, `plan_schedule` sizes the probe windows (or says why they do not fit) and `reach` says which
+speedup the fit can reach at all.
+
 Pure arithmetic with no clock of its own: the callback feeds it measured seconds, tests feed it known ones.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+from lightning_elastic.schedule import IntervalUnit, Schedule
+from lightning_elastic.time_model import StepTimeModel
 
 # The weight of the latest interval's measured / predicted ratio in the correction (the first one counts fully).
 CORRECTION_RATE = 0.5
@@ -66,6 +73,70 @@ def auto_probe_plan(total_steps: int | None, selections: int | None, speedup: fl
     return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)))
 
 
+@dataclass(frozen=True)
+class ScheduleRefusal:
+    """Probe windows that do not fit between two selections.
+
+    Attributes:
+        message: the `ElasticConfigError` message (under `fast_dev_run`, why the callback steps aside instead).
+    """
+
+    message: str
+
+
+def plan_schedule(
+    interval: int,
+    unit: IntervalUnit,
+    probe_steps: int | Literal["auto"],
+    speedup: float,
+    steps_per_epoch: float | tuple[int, ...],
+    total_steps: int | None,
+) -> Schedule | ScheduleRefusal:
+    """The fit's schedule, with probe windows sized by `auto_probe_plan` or as asked; a refusal if they do not fit.
+
+    Example:
+        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100)
+        Schedule(interval=1, unit='epoch', probe_steps=3, steps_per_epoch=(20,), probe_every=5, total_steps=100)
+        >>> plan_schedule(2, "step", 2, 2.0, steps_per_epoch=(20,), total_steps=100).message[:43]
+        '`probe_steps` must be fewer than the optimi'
+    """
+    shape = Schedule(interval, unit, 0, steps_per_epoch, 1, total_steps or math.inf)
+    period = shape.period
+    if probe_steps == "auto":
+        selections = None if total_steps is None or math.isinf(period) else 1 + shape.selections_until(total_steps - 1)
+        probes = auto_probe_plan(total_steps, selections, speedup)
+        steps = min(probes.steps, int(period) - 1) if math.isfinite(period) else probes.steps
+        every = probes.every
+    else:
+        steps, every = int(probe_steps), 1
+    if period <= steps or steps < 1:
+        return ScheduleRefusal(
+            f"`probe_steps` must be fewer than the optimizer steps between two selections ({period:g} = "
+            f"`interval` {interval} x {'steps per epoch' if unit == 'epoch' else '1 step'}). Found: {probe_steps}"
+        )
+    return replace(shape, probe_steps=steps, probe_every=every)
+
+
+def late_first_window(schedule: Schedule) -> str | None:
+    """The warning when the first probe window runs on past `probe_steps` (None when it does not).
+
+    Example:
+        >>> late_first_window(Schedule(interval=3, unit="step", probe_steps=2))[24:100]
+        '`probe_steps` 2 leave the first selection no step to train before the next w'
+        >>> late_first_window(Schedule(interval=5, unit="step", probe_steps=2)) is None
+        True
+    """
+    steps, period = schedule.probe_steps, schedule.period
+    if schedule.first_window_end == steps:
+        return None
+    return (
+        f"ElasticTensorSelection: `probe_steps` {steps} leave the first selection no step to train before the next "
+        f"window opens ({period:g} optimizer steps between selections), so the first window runs on until step "
+        f"{schedule.first_window_end} and the first selection comes there. Fewer than {period / 2:g} `probe_steps` "
+        "select earlier."
+    )
+
+
 def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:
     """The largest whole-fit speedup: every probe step at full cost, every other step at the cheapest selection.
 
@@ -80,6 +151,98 @@ def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, flo
         2.380952380952381
     """
     return total_steps / (sunk_steps + probe_steps + (total_steps - probe_steps) * floor)
+
+
+def at_most(limit: float) -> str:
+    """`limit` rounded down to two decimals: a figure shown as a ceiling is never above the true one.
+
+    Example:
+        >>> at_most(1.0549), at_most(2.0)
+        ('1.05', '2.00')
+    """
+    return f"{math.floor(limit * 100) / 100:.2f}"
+
+
+@dataclass(frozen=True)
+class Reach:
+    """The largest speedup a fit reaches when every selected step is the cheapest selection (see `reach`).
+
+    Attributes:
+        floor: the cheapest selected step, as a share of a full step.
+        reachable: the largest speedup, this run's profiling left out (it is paid once: the profile is cached).
+        this_fit: the largest speedup of this fit, with what its profiling cost.
+        scope: what the figures count, in words.
+        profile_seconds: what profiling took this run.
+        profile_steps: the same in full steps of the time model.
+    """
+
+    floor: float
+    reachable: float
+    this_fit: float
+    scope: str
+    profile_seconds: float
+    profile_steps: float
+
+    def refusal(self, speedup: float) -> str | None:
+        """The `ElasticConfigError` message when `speedup` is out of reach; None when it is not."""
+        if self.reachable >= speedup:
+            return None
+        return (
+            f"`speedup` must be at most {at_most(self.reachable)} for this model on this device {self.scope}: the "
+            "forward pass and the parts of a step that every selection pays (at least the `train_always` tensors, or "
+            f"one tensor) take {self.floor:.0%} of a full step. Train fewer tensors always, use fewer `probe_steps`, "
+            f"a longer fit, or a lower speedup. Found: {speedup!r}"
+        )
+
+    def warning(self, speedup: float) -> str | None:
+        """The warning when only this run's profiling puts `speedup` out of reach; None otherwise."""
+        if self.this_fit >= speedup:
+            return None
+        return (
+            f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.0f} full "
+            f"steps) of this fit's budget, so this fit reaches at most {at_most(self.this_fit)}x of the `speedup` "
+            f"{speedup!r} asked. The profile is cached: later fits on this device reach {at_most(self.reachable)}x."
+        )
+
+
+def reach(
+    model: StepTimeModel,
+    required: Sequence[bool],
+    forbidden: Sequence[bool],
+    schedule: Schedule,
+    total_steps: int | None,
+    profile_seconds: float,
+    full_step: float,
+) -> Reach:
+    """What a fit can reach: probe steps at full cost, every other step at the cheapest selection.
+
+    Args:
+        model: the time model of the profile.
+        required, forbidden: the tensors every selection trains, and those none trains.
+        schedule: the fit's schedule (its probe windows).
+        total_steps: optimizer steps of the fit; None counts per step (fit length unknown, or no plan to keep).
+        profile_seconds: what profiling took this run.
+        full_step: the profile's full step, the unit of `profile_seconds` in the plan.
+
+    Example:
+        >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
+        >>> fit = reach(model, [False, False], [False, False], Schedule(4, "step", 1), 8, 6.0, full_step=6.0)
+        >>> round(fit.floor, 2), round(fit.reachable, 2), round(fit.this_fit, 2)
+        (0.6, 1.33, 1.14)
+    """
+    floor = model.cheapest(required, forbidden) / model.full
+    profile_steps = profile_seconds / model.full
+    if total_steps is None:
+        return Reach(floor, 1.0 / floor, 1.0 / floor, "(per step)", profile_seconds, profile_steps)
+    probes = schedule.probe_steps_between(0, total_steps)
+    return Reach(
+        floor=floor,
+        reachable=reachable_speedup(total_steps, probes, 0.0, floor),
+        this_fit=reachable_speedup(total_steps, probes, profile_seconds / full_step, floor),
+        scope=f"in a fit of {total_steps} steps with {probes} probe steps at full cost",
+        profile_seconds=profile_seconds,
+        profile_steps=profile_steps,
+    )
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Typed records that pass between the method's parts: a trainable set, and a selection with what it cost.
+"""Typed records that pass between the method's parts: a trainable set, a selection with what it cost, and the
+step costs a selection is decided against.
 
 History, logging, checkpoints, the summary and TensorBoard all read these; checkpoints store them as plain data
 (`to_dict` / `from_dict`), and `from_dict` still reads the mask strings of version-1 checkpoints.
@@ -10,6 +11,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
+
+from lightning_elastic.time_model import StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -155,3 +158,20 @@ class SelectionRecord:
             full_seconds=float(data["full_seconds"]),
             measured_seconds=tuple(float(s) for s in data.get("measured_seconds", data.get("selected_steps", []))),
         )
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """The step costs a selection is decided against.
+
+    Attributes:
+        model: the time model (made to predict the measured full step, when there is one).
+        full: seconds of a full training step.
+        optimizer: seconds of the optimizer update of every tensor (0 when not measured).
+        target: seconds a selected step may take, as `model` predicts it.
+    """
+
+    model: StepTimeModel
+    full: float
+    optimizer: float
+    target: float

@@ -13,11 +13,16 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_elastic.inspection import module_rows
-from lightning_elastic.planner import WallClockPlan
-from lightning_elastic.records import SelectionRecord
+from lightning_elastic.distributed import SelectiveAllReduce
+from lightning_elastic.inspection import module_rows, profile_table
+from lightning_elastic.planner import WallClockPlan, at_most
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
+from lightning_elastic.schedule import Schedule
 
 TEXT_NAMES = 24  # trained tensors named one by one in a selection's text; beyond, modules are named ...
 TEXT_MODULES = 8  # ... at most this many
@@ -45,6 +50,125 @@ def contract_metrics(plan: WallClockPlan) -> dict[str, float]:
         "elastic/fit_speedup": plan.speedup_so_far,
         "elastic/time_model_correction": plan.correction,
     }
+
+
+def start_message(profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule) -> str:
+    """What the fit starts with: the profile's figures, the target and the schedule.
+
+    Example:
+        >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
+        ...     device="cpu", fingerprint="f", unused=(), method="measured", numel=(9,))
+        >>> print(start_message(p, 2.0, 120, Schedule(1, "epoch", 3)).replace("; ", "\n"))
+        ElasticTensorSelection: 1 tensors profiled on cpu (full forward+backward 7.0 ms, forward 4.0 ms)
+        target speedup 2 for the fit's 120 optimizer steps
+        3 probe steps before the first selection and every 1 of the selections every 1 epoch(s)
+    """
+    steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
+    return (
+        f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
+        f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
+        f"the fit's {steps}; {schedule.probe_steps} probe steps before the first selection and every "
+        f"{schedule.probe_every} of the selections every {schedule.interval} {schedule.unit}(s)"
+    )
+
+
+def announce(
+    trainer: L.Trainer, profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule
+) -> None:
+    """The start message to the console; the profile's table and the charts to TensorBoard."""
+    rank_zero_info(start_message(profile, speedup, total_steps, schedule))
+    for writer in tensorboard_writers(trainer):
+        writer.add_text("elastic/profile", profile_table(profile), trainer.global_step)
+        writer.add_custom_scalars(CHARTS)
+
+
+def interval_metrics(
+    record: SelectionRecord, plan: WallClockPlan, allreduce: SelectiveAllReduce | None
+) -> dict[str, float]:
+    """An interval that closed: its measured against its predicted step, the contract, and DDP's all-reduce share.
+
+    Example:
+        >>> rec = SelectionRecord(0, 0, Decision(Mask.of([True]), (1.0,), 0.1, 0.1), 0.2, measured_seconds=(0.125,))
+        >>> interval_metrics(rec, WallClockPlan(2.0, 10, 0.25, full_samples=3), None)["elastic/measured_speedup"]
+        2.0
+    """
+    metrics = {
+        "elastic/measured_step_ms": record.measured_step * 1e3,
+        "elastic/predicted_step_ms": record.decision.predicted_seconds * 1e3,
+        **contract_metrics(plan),
+    }
+    if plan.full_samples:  # measured against measured: without `calibrate` the record's T is the profile's
+        metrics["elastic/measured_speedup"] = plan.full_step / record.measured_step
+    if allreduce is not None and allreduce.last_step_full_bytes:
+        metrics["elastic/allreduce_fraction"] = allreduce.last_step_bytes / allreduce.last_step_full_bytes
+    return metrics
+
+
+def selection_metrics(
+    record: SelectionRecord, plan: WallClockPlan, numel: Sequence[int], select_seconds: float, optimizer_seconds: float
+) -> dict[str, float]:
+    """A new selection: what it trains, its predicted, full and target step, and the contract.
+
+    Example:
+        >>> rec = SelectionRecord(0, 0, Decision(Mask.of([True, False]), (1.0, 0.0), 0.1, 0.15), 0.2)
+        >>> metrics = selection_metrics(rec, WallClockPlan(2.0, 10, 0.2), [30, 10], 0.01, 0.0)
+        >>> metrics["elastic/selected_elements_fraction"], metrics["elastic/select_ms"]
+        (0.75, 10.0)
+    """
+    mask = record.mask
+    return {
+        "elastic/selected_fraction": mask.count(True) / len(mask),
+        "elastic/selected_elements_fraction": mask.elements(numel) / sum(numel),
+        "elastic/predicted_step_ms": record.decision.predicted_seconds * 1e3,
+        "elastic/full_step_ms": record.full_seconds * 1e3,
+        "elastic/target_step_ms": record.decision.target_seconds * 1e3,
+        "elastic/optimizer_ms": optimizer_seconds * 1e3,
+        "elastic/select_ms": select_seconds * 1e3,
+        **contract_metrics(plan),
+    }
+
+
+def write_selection(writer: Any, record: SelectionRecord, names: Sequence[str], step: int, image: Any) -> None:
+    """A new selection to a TensorBoard writer: the importance, the top tensors, the selection map, the text."""
+    writer.add_histogram("elastic/importance", torch.tensor(record.decision.importance), step)
+    for tag, value in top_importance(record, names).items():
+        writer.add_scalar(tag, value, step)
+    if image is not None:
+        writer.add_image("elastic/selection", image, step, dataformats="HWC")
+    writer.add_text("elastic/selection", selection_text(record, names), step)
+
+
+def progress_metrics(probing: bool, mask: Mask | None) -> dict[str, float]:
+    """The progress bar's phase and share of tensors this step trains (not sent to loggers).
+
+    `elastic/probing` is 1 in a probe window (every tensor trains and is measured), 0 under a selection.
+
+    Example:
+        >>> progress_metrics(False, Mask.of([True, False, False, True]))
+        {'elastic/probing': 0.0, 'elastic/trained': 0.5}
+    """
+    if probing or mask is None:
+        return {"elastic/probing": 1.0, "elastic/trained": 1.0}
+    return {"elastic/probing": 0.0, "elastic/trained": mask.count(True) / len(mask)}
+
+
+def starved_warning(
+    step: int,
+    decision: Decision,
+    terms: StepTerms,
+    plan: WallClockPlan,
+    required: Sequence[bool],
+    forbidden: Sequence[bool],
+) -> str:
+    """The warning, once a fit, when even the cheapest selection takes longer than the plan's step target."""
+    largest = terms.model.max_speedup(required, forbidden, terms.full)
+    return (
+        f"ElasticTensorSelection: at step {step} the plan leaves {decision.target_seconds * 1e3:.1f} ms a step "
+        f"(full step {terms.full * 1e3:.1f} ms, {plan.spent:.1f} s spent of {plan.planned():.1f} s planned); "
+        f"the cheapest selection takes {decision.predicted_seconds * 1e3:.1f} ms, so this interval spends more "
+        f"than its share of `speedup` {plan.speedup!r} (largest per-step speedup: {at_most(largest)}x). Later "
+        "intervals pay it back if they can: the summary's `fit_speedup` is the outcome. Warned once a fit."
+    )
 
 
 def selection_text(record: SelectionRecord, names: Sequence[str]) -> str:

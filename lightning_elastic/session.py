@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning as L
@@ -20,13 +20,14 @@ from torch import nn
 
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import BnPolicy, apply_bn_policy, apply_mask, match_patterns
+from lightning_elastic.freezing import BnPolicy, apply_bn_policy, apply_mask, invalidate_compiled_graphs, pins
 from lightning_elastic.importance import ImportanceEvaluator
-from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.planner import Reach, WallClockPlan, reach
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
-from lightning_elastic.records import Mask, SelectionRecord
+from lightning_elastic.records import Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
+from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
 
 TOTALS = (
@@ -94,15 +95,7 @@ class FitSession:
             )
         named = dict(pl_module.named_parameters())
         params = [named[name] for name in prof.names]
-        required = Mask.of(match_patterns(prof.names, train_always, "train_always"))
-        never = match_patterns(prof.names, train_never, "train_never")
-        forbidden = Mask.of([a or not p.requires_grad for a, p in zip(never, params, strict=True)])
-        clash = [n for n, r, f in zip(prof.names, required, forbidden, strict=True) if r and f]
-        if clash:
-            raise ElasticConfigError(
-                "`train_always` must not name tensors that `train_never` names or that do not require grad. "
-                f"Found: {clash}"
-            )
+        required, forbidden = pins(prof.names, params, train_always, train_never)
         sparse = {
             f"{prefix}.{name}" if prefix else name
             for prefix, module in pl_module.named_modules()
@@ -114,10 +107,6 @@ class FitSession:
             raise ElasticConfigError(
                 "`ElasticTensorSelection` needs dense gradients to measure importance: build embeddings with "
                 f"`sparse=False`, or keep them out with `train_never`. Found sparse gradients for: {sparse_trained}"
-            )
-        if all(forbidden):
-            raise ElasticConfigError(
-                "`train_never` must leave at least one trainable tensor. Found: every tensor excluded"
             )
         device = pl_module.device
         return cls(
@@ -134,6 +123,16 @@ class FitSession:
             bn_policy=bn_policy,
             latest=[0.0] * len(params),
         )
+
+    def plan_fit(
+        self, speedup: float, total_steps: int | None, prof: TimingProfile, profile_seconds: float, calibrate: bool
+    ) -> Reach:
+        """Start the wall-clock plan, charged with profiling; what the fit reaches (per step without `calibrate`)."""
+        self.plan = WallClockPlan(speedup, total_steps, full_step=prof.t_full)
+        self.plan.spend_overhead(profile_seconds)
+        self.totals["profile_seconds"] += profile_seconds
+        model, total = StepTimeModel.from_profile(prof), total_steps if calibrate else None
+        return reach(model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full)
 
     # ------------------------------------------------------------------ steps and probe windows
 
@@ -259,6 +258,44 @@ class FitSession:
         target = self.plan.target(step, horizon, ahead)
         value = torch.tensor([target], dtype=torch.float64, device=self.params[0].device)
         return float(trainer.strategy.reduce(value, reduce_op="mean").item())
+
+    def step_terms(self, trainer: L.Trainer, prof: TimingProfile, calibrate: bool) -> StepTerms:
+        """Measured figures and the plan's target under `calibrate`; else the profile's step over the speedup."""
+        assert self.plan is not None
+        full, optimizer = self.probe_figures(trainer)
+        if calibrate and math.isfinite(full) and math.isfinite(optimizer):
+            target = self.target(trainer, trainer.global_step)
+            return StepTerms(StepTimeModel.calibrated(prof, full, optimizer), full, optimizer, target)
+        return StepTerms(StepTimeModel.from_profile(prof), prof.t_full, 0.0, prof.t_full / self.plan.speedup)
+
+    # ------------------------------------------------------------------ a selection comes into force
+
+    def close_interval(self) -> SelectionRecord | None:
+        """The last selection's measured steps, into its record and the plan's correction; None if none was timed."""
+        assert self.plan is not None
+        steps, self.selected_steps = self.selected_steps, []
+        if not self.history or not steps:
+            return None
+        record = self.history[-1] = replace(self.history[-1], measured_seconds=tuple(steps))
+        self.plan.observe_selected_steps(record.measured_step, record.decision.predicted_seconds)
+        return record
+
+    def apply(self, pl_module: nn.Module, mask: Mask) -> None:
+        """Train the tensors of `mask`: their flags, the BatchNorm policy, and compiled graphs if the set changed."""
+        self.set_trainable(mask)
+        self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
+        if self.warming:
+            invalidate_compiled_graphs(pl_module)
+
+    def enter(self, record: SelectionRecord, select_seconds: float, apply_seconds: float) -> None:
+        """Keep the selection now in force, and charge its own seconds to the plan (not to the next step)."""
+        assert self.plan is not None
+        self.totals["select_seconds"] += select_seconds
+        self.totals["apply_seconds"] += apply_seconds
+        self.plan.spend_overhead(select_seconds + apply_seconds)
+        self.mask = record.mask
+        self.history.append(record)
+        self.step_timer.start()
 
     # ------------------------------------------------------------------ the end of the fit, and checkpoints
 

@@ -1,25 +1,72 @@
-"""The first training batch to the loss on the real training step: the one harness every caller shares."""
+"""The first training batch to the loss on the real training step: the one harness every caller shares.
+
+`current_profile` chooses the profile a fit uses: the one given, a checkpoint's or the last fit's while it still
+describes the training step, else one measured on that step (or read from the cache).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sized
+import os
+from collections.abc import Callable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, mismatch
+from lightning_elastic.profiling.profile import (
+    TimingMethod,
+    TimingProfile,
+    load_given_profile,
+    mismatch,
+    resolve_cache_dir,
+)
 from lightning_elastic.profiling.runner import fingerprint, profile
 
-__all__ = ["measure_profile", "stale_reason"]
+__all__ = ["current_profile", "measure_profile", "stale_reason"]
+
+
+def current_profile(
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    given: TimingProfile | str | os.PathLike[str] | None,
+    restored: Mapping[str, Any] | None,
+    previous: TimingProfile | None,
+    method: TimingMethod,
+    cache_dir: str | os.PathLike[str] | Literal[False] | None,
+) -> TimingProfile:
+    """The given profile; else the checkpoint's (`restored`) or the last fit's, if they describe this module; else
+    one measured on the training step (`measure_profile`, which reads `cache_dir` first)."""
+    loaded = load_given_profile(given)
+    if loaded is not None:
+        return loaded
+    for source, candidate in (
+        ("checkpoint's", TimingProfile.from_dict(restored) if restored else None),
+        ("previous fit's", previous),
+    ):
+        if candidate is None:
+            continue
+        reason = stale_reason(trainer, pl_module, candidate)
+        if reason is None:
+            return candidate
+        rank_zero_info(
+            f"ElasticTensorSelection: the {source} timing profile does not describe this model ({reason}); "
+            "profiling again."
+        )
+    count = sum(p.requires_grad for p in pl_module.parameters())
+    rank_zero_info(
+        f"ElasticTensorSelection: profiling {count} tensors on the first batch (about 20 training steps; "
+        "a cached profile of this model on this device is used instead when there is one)"
+    )
+    return measure_profile(trainer, pl_module, method, resolve_cache_dir(cache_dir))
 
 
 def measure_profile(

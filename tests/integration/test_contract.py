@@ -17,7 +17,6 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_elastic import ElasticTensorSelection
-from lightning_elastic.callback import _at_most
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.time_model import StepTimeModel
@@ -119,10 +118,6 @@ def test_without_calibration_the_measured_speedup_is_measured_against_measured()
     expected = [model.full / model.predict(r.mask) for r in callback.history]
     assert logged == pytest.approx(expected, rel=1e-6)
     assert callback.summary()["measured_speedup"] > 1
-
-
-def test_a_ceiling_is_never_shown_rounded_up() -> None:
-    assert [_at_most(v) for v in (1.0549, 1.0499, 2.0, 3.3399)] == ["1.05", "1.04", "2.00", "3.33"]
 
 
 def test_auto_probe_windows_stay_within_their_share() -> None:

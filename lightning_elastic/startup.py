@@ -1,0 +1,90 @@
+"""What the callback reads and refuses as a fit starts, before any of its state exists.
+
+`check_supported` refuses a module the method cannot run with (as the fit is set up); `fit_schedule` reads the
+Trainer's epochs and the fit's length (`epoch_lengths`) into the schedule of probe windows and selections
+(`planner.plan_schedule`), or says why the callback stays off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import lightning as L
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_elastic.distributed import prepare_strategy
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.planner import ScheduleRefusal, late_first_window, plan_schedule
+from lightning_elastic.schedule import IntervalUnit, Schedule
+
+
+def check_supported(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Refuse, as the fit is set up, a module the method cannot run with; prepare the strategy for it."""
+    lazy = [n for n, p in pl_module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ElasticConfigError(
+            "`ElasticTensorSelection` profiles every parameter before training, so lazy modules must be "
+            "materialised first (run one batch through the model, e.g. in `setup`). Found uninitialised: "
+            f"{lazy[:5]}"
+        )
+    if not pl_module.automatic_optimization:
+        raise ElasticConfigError(
+            "`ElasticTensorSelection` needs automatic optimization (it measures importance around each "
+            "optimizer step). Found: `automatic_optimization = False`"
+        )
+    prepare_strategy(trainer.strategy)
+    if not any(p.requires_grad for p in pl_module.parameters()):
+        raise ElasticConfigError("`ElasticTensorSelection` needs a model with trainable parameters. Found: none")
+
+
+def fit_schedule(
+    trainer: L.Trainer, interval: int, unit: IntervalUnit, probe_steps: int | Literal["auto"], speedup: float
+) -> tuple[Schedule | None, int | None]:
+    """This fit's schedule (None: off under a `fast_dev_run` too short for it) and its optimizer steps (None: unknown).
+
+    Raises:
+        ElasticConfigError: when probe windows do not fit between two selections.
+    """
+    lengths, total = epoch_lengths(trainer)
+    schedule = plan_schedule(interval, unit, probe_steps, speedup, lengths, total)
+    if isinstance(schedule, ScheduleRefusal):
+        if not getattr(trainer, "fast_dev_run", False):  # set by the Trainer; not in its type stubs
+            raise ElasticConfigError(schedule.message)
+        rank_zero_info(f"ElasticTensorSelection: off under `fast_dev_run`, every tensor trains ({schedule.message})")
+        return None, total
+    if (warning := late_first_window(schedule)) is not None:
+        rank_zero_warn(warning)
+    return schedule, total
+
+
+def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | None]:
+    """Optimizer steps of each epoch (the last repeating; `math.inf` when unknown) and of the fit (None: unknown).
+
+    A `GradientAccumulationScheduler` changes the micro-batches of a step as epochs start, and
+    `StochasticWeightAveraging` adds an epoch without optimizer steps (to update BatchNorm statistics): the Trainer's
+    own estimate of the fit's steps sees neither.
+    """
+    batches = trainer.num_training_batches
+    estimated = trainer.estimated_stepping_batches
+    total = int(estimated) if math.isfinite(estimated) else None
+    if not math.isfinite(batches):
+        return math.inf, total
+    callbacks = getattr(trainer, "callbacks", ())  # set by the Trainer; not in its type stubs
+    scheduler = next((c for c in callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    swa = next((c for c in callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    if scheduler is None:
+        lengths: tuple[int, ...] = (math.ceil(batches / trainer.accumulate_grad_batches),)
+    else:
+        lengths = tuple(
+            math.ceil(batches / scheduler.get_accumulate_grad_batches(e)) for e in range(max(scheduler.epochs) + 1)
+        )
+    epochs = trainer.max_epochs
+    if swa is not None and swa._model_contains_batch_norm:  # its last epoch only runs BatchNorm statistics
+        epochs = swa._max_epochs
+    if (scheduler is not None or swa is not None) and epochs is not None and epochs >= 0:
+        steps = sum(lengths[min(e, len(lengths) - 1)] for e in range(max(epochs, 1)))
+        total = min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
+    return lengths, total
