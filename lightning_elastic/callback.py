@@ -22,7 +22,7 @@ import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning as L
 import numpy as np
@@ -37,7 +37,8 @@ from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy
 from lightning_elastic.inspection import selection_map
-from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.profiling import TimingMethod, TimingProfile
 from lightning_elastic.profiling.harness import current_profile
 from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit
@@ -45,9 +46,8 @@ from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_supported, fit_schedule
 
-TimeModel = Literal["measured", "flops"]
-TIME_MODELS: tuple[str, ...] = ("measured", "flops")
-INTERVAL_UNITS: tuple[str, ...] = ("epoch", "step")
+TIME_MODELS: tuple[str, ...] = get_args(TimingMethod)
+INTERVAL_UNITS: tuple[str, ...] = get_args(IntervalUnit)
 STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
 
 
@@ -96,7 +96,7 @@ class ElasticTensorSelection(Callback):
         interval: int = 1,
         interval_unit: IntervalUnit = "epoch",
         probe_steps: int | Literal["auto"] = "auto",
-        time_model: TimeModel = "measured",
+        time_model: TimingMethod = "measured",
         train_always: Sequence[str] = (),
         train_never: Sequence[str] = (),
         bn_policy: BnPolicy = "update",
@@ -144,7 +144,7 @@ class ElasticTensorSelection(Callback):
         self._interval = int(interval)
         self._interval_unit: IntervalUnit = interval_unit
         self._probe_steps = probe_steps
-        self._time_model: TimeModel = time_model
+        self._time_model: TimingMethod = time_model
         self._train_always = tuple(train_always)
         self._train_never = tuple(train_never)
         self._bn_policy: BnPolicy = bn_policy
@@ -214,12 +214,11 @@ class ElasticTensorSelection(Callback):
         )
         profile_seconds = self._clock() - started
         pins = (self._train_always, self._train_never)
-        fit = FitSession.start(trainer, pl_module, prof, schedule, *pins, self._bn_policy, self._clock)
-        limit = fit.plan_fit(self._speedup, total_steps, prof, profile_seconds, self._calibrate)
+        plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
+        fit = FitSession.start(trainer, pl_module, prof, schedule, plan, *pins, self._bn_policy, self._clock)
+        limit = fit.charge_profiling(prof, profile_seconds, self._calibrate)
         self._fit = fit
-        if (refusal := limit.refusal(self._speedup)) is not None:
-            raise ElasticConfigError(refusal)
-        if (warning := limit.warning(self._speedup)) is not None:
+        if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
         fit.restore(self._restored)
         self._restored = None
@@ -288,10 +287,10 @@ class ElasticTensorSelection(Callback):
 
     def _select_and_apply(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         fit, profile = self._fit, self._profile
-        assert fit is not None and fit.plan is not None and profile is not None
+        assert fit is not None and profile is not None
         started = self._clock()
         fit.pending_selection = False
-        self._close_interval(trainer)
+        self._close_interval(trainer, fit)
         importance = fit.importance(trainer)
         terms = fit.step_terms(trainer, profile, self._calibrate)
         pins = (fit.required, fit.forbidden)
@@ -308,10 +307,8 @@ class ElasticTensorSelection(Callback):
         fit.enter(record, select_seconds, apply_seconds)
         self._log_selection(trainer, record, select_seconds, terms.optimizer)
 
-    def _close_interval(self, trainer: L.Trainer) -> None:
+    def _close_interval(self, trainer: L.Trainer, fit: FitSession) -> None:
         """The last selection's measured steps: into its record, into the plan's correction, to the loggers."""
-        fit = self._fit
-        assert fit is not None and fit.plan is not None
         if (record := fit.close_interval()) is not None:
             reporting.log_metrics(trainer, reporting.interval_metrics(record, fit.plan, fit.allreduce))
 
@@ -319,7 +316,7 @@ class ElasticTensorSelection(Callback):
 
     def _log_selection(self, trainer: L.Trainer, record: SelectionRecord, select_s: float, optimizer_s: float) -> None:
         fit, profile = self._fit, self._profile
-        assert fit is not None and fit.plan is not None and profile is not None
+        assert fit is not None and profile is not None
         metrics = reporting.selection_metrics(record, fit.plan, profile.numel, select_s, optimizer_s)
         reporting.log_metrics(trainer, metrics)
         for writer in reporting.tensorboard_writers(trainer):
@@ -328,10 +325,9 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._fit is None:
-            return
-        self._close_interval(trainer)
-        rank_zero_info(f"ElasticTensorSelection, the fit against training every tensor:\n{self.report().table()}")
+        if self._fit is not None:
+            self._close_interval(trainer, self._fit)
+            rank_zero_info(f"ElasticTensorSelection, the fit against training every tensor:\n{self.report().table()}")
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

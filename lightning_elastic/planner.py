@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
+from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.time_model import StepTimeModel
 
@@ -182,6 +183,16 @@ class Reach:
     scope: str
     profile_seconds: float
     profile_steps: float
+
+    def check(self, speedup: float) -> str | None:
+        """Refuse a `speedup` out of reach; the warning when only this run's profiling puts it out of reach.
+
+        Raises:
+            ElasticConfigError: with the largest reachable speedup (`refusal`).
+        """
+        if (refusal := self.refusal(speedup)) is not None:
+            raise ElasticConfigError(refusal)
+        return self.warning(speedup)
 
     def refusal(self, speedup: float) -> str | None:
         """The `ElasticConfigError` message when `speedup` is out of reach; None when it is not."""

@@ -56,7 +56,7 @@ class FitSession:
     overhead_timer: StepTimer
     user_flags: list[tuple[nn.Parameter, bool]]
     bn_policy: BnPolicy
-    plan: WallClockPlan | None = None
+    plan: WallClockPlan
     allreduce: SelectiveAllReduce | None = None
     latest: list[float] = field(default_factory=list)  # per tensor: importance per step, as last measured
     history: list[SelectionRecord] = field(default_factory=list)
@@ -81,6 +81,7 @@ class FitSession:
         pl_module: L.LightningModule,
         prof: TimingProfile,
         schedule: Schedule,
+        plan: WallClockPlan,
         train_always: Sequence[str],
         train_never: Sequence[str],
         bn_policy: BnPolicy,
@@ -121,17 +122,16 @@ class FitSession:
             overhead_timer=StepTimer(device, clock),
             user_flags=[(p, p.requires_grad) for p in pl_module.parameters()],
             bn_policy=bn_policy,
+            plan=plan,
             latest=[0.0] * len(params),
         )
 
-    def plan_fit(
-        self, speedup: float, total_steps: int | None, prof: TimingProfile, profile_seconds: float, calibrate: bool
-    ) -> Reach:
-        """Start the wall-clock plan, charged with profiling; what the fit reaches (per step without `calibrate`)."""
-        self.plan = WallClockPlan(speedup, total_steps, full_step=prof.t_full)
+    def charge_profiling(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
+        """Charge profiling to the plan; what the fit can reach (per step without `calibrate`)."""
         self.plan.spend_overhead(profile_seconds)
         self.totals["profile_seconds"] += profile_seconds
-        model, total = StepTimeModel.from_profile(prof), total_steps if calibrate else None
+        total = self.plan.total_steps if calibrate else None
+        model = StepTimeModel.from_profile(prof)
         return reach(model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full)
 
     # ------------------------------------------------------------------ steps and probe windows
@@ -152,7 +152,6 @@ class FitSession:
 
     def close_probe(self) -> None:
         """The window's full steps measure `T` for the plan."""
-        assert self.plan is not None
         self.probe_end = None
         self.plan.observe_full_steps(self.probe_full)
         self.totals["probe_seconds"] += math.fsum(self.probe_full)
@@ -184,7 +183,6 @@ class FitSession:
 
     def after_optimizer_step(self) -> None:
         """Measure the step that just ended (from the end of the one before) and charge it to the plan."""
-        assert self.plan is not None
         self.optimizer_timer.stop()
         self.overhead_timer.start()
         self.evaluator.after_step()
@@ -238,7 +236,6 @@ class FitSession:
 
     def probe_figures(self, trainer: L.Trainer) -> tuple[float, float]:
         """The full step `T` and its optimizer update, as measured so far, averaged over ranks."""
-        assert self.plan is not None
         optimizer = math.fsum(self.probe_optimizer) / len(self.probe_optimizer) if self.probe_optimizer else math.nan
         full = self.plan.full_step if self.plan.full_samples else math.nan
         figures = torch.tensor([full, optimizer], dtype=torch.float64, device=self.params[0].device)
@@ -247,7 +244,6 @@ class FitSession:
 
     def target(self, trainer: L.Trainer, step: int) -> float:
         """The plan's step target until the horizon, averaged over ranks so that every rank decides alike."""
-        assert self.plan is not None
         if self.plan.total_steps is not None:
             horizon = self.plan.total_steps
         else:
@@ -261,7 +257,6 @@ class FitSession:
 
     def step_terms(self, trainer: L.Trainer, prof: TimingProfile, calibrate: bool) -> StepTerms:
         """Measured figures and the plan's target under `calibrate`; else the profile's step over the speedup."""
-        assert self.plan is not None
         full, optimizer = self.probe_figures(trainer)
         if calibrate and math.isfinite(full) and math.isfinite(optimizer):
             target = self.target(trainer, trainer.global_step)
@@ -272,7 +267,6 @@ class FitSession:
 
     def close_interval(self) -> SelectionRecord | None:
         """The last selection's measured steps, into its record and the plan's correction; None if none was timed."""
-        assert self.plan is not None
         steps, self.selected_steps = self.selected_steps, []
         if not self.history or not steps:
             return None
@@ -289,7 +283,6 @@ class FitSession:
 
     def enter(self, record: SelectionRecord, select_seconds: float, apply_seconds: float) -> None:
         """Keep the selection now in force, and charge its own seconds to the plan (not to the next step)."""
-        assert self.plan is not None
         self.totals["select_seconds"] += select_seconds
         self.totals["apply_seconds"] += apply_seconds
         self.plan.spend_overhead(select_seconds + apply_seconds)
@@ -315,7 +308,7 @@ class FitSession:
             "history": [r.to_dict() for r in self.history],
             "totals": dict(self.totals),
             "bn_frozen": list(self.bn_frozen),
-            "plan": None if self.plan is None else self.plan.state_dict(),
+            "plan": self.plan.state_dict(),
             "selected_steps": list(self.selected_steps),
             "probe_optimizer": list(self.probe_optimizer),
         }
@@ -342,7 +335,7 @@ class FitSession:
         self.bn_frozen = list(state.get("bn_frozen", []))
         self.selected_steps = [float(s) for s in state.get("selected_steps", [])]
         self.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
-        if state.get("plan") and self.plan is not None:
+        if state.get("plan"):
             restored = WallClockPlan.from_state(state["plan"])
             self.plan = restored if restored.speedup == self.plan.speedup else self.plan
 
