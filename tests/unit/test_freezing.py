@@ -2,7 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_elastic.freezing import apply_bn_policy, apply_mask, match_patterns
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.freezing import apply_bn_policy, apply_mask, invalidate_compiled_graphs, match_patterns, pins
+from lightning_elastic.records import Mask
 
 
 def test_patterns_match_shell_style_and_reject_typos() -> None:
@@ -53,3 +55,28 @@ def test_bn_policy_update_leaves_modes_alone() -> None:
     assert model[0].training and not model[1].training
     with pytest.raises(ValueError, match=r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"):
         apply_bn_policy(model, "off")  # type: ignore[arg-type]
+
+
+def test_pins_name_what_always_and_never_trains_and_refuse_contradictions() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    names = [n for n, _ in model.named_parameters()]  # 0.weight, 0.bias, 1.weight, 1.bias
+    params = list(model.parameters())
+    model[0].bias.requires_grad_(False)  # frozen by the user: never trained either
+    required, forbidden = pins(names, params, ["1.*"], ["0.weight"])
+    assert required == Mask.of([False, False, True, True]) and forbidden == Mask.of([True, True, False, False])
+    with pytest.raises(ElasticConfigError, match=r"`train_always` must not name .* Found: \['0.bias'\]$"):
+        pins(names, params, ["0.bias"], [])
+    with pytest.raises(ElasticConfigError, match=r"^`train_never` must leave at least one trainable tensor\. Found"):
+        pins(names, params, [], ["*"])
+    with pytest.raises(ElasticConfigError, match=r"`train_always` patterns must each match"):
+        pins(names, params, ["2.*"], [])
+
+
+def test_compiled_graphs_are_dropped_only_for_a_compiled_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    resets: list[bool] = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
+    model = nn.Sequential(nn.Linear(2, 2))
+    invalidate_compiled_graphs(model)
+    assert resets == []
+    invalidate_compiled_graphs(nn.Sequential(torch.compile(model)))  # an OptimizedModule inside
+    assert resets == [True]

@@ -6,7 +6,18 @@ import math
 
 import pytest
 
-from lightning_elastic.planner import ProbePlan, WallClockPlan, auto_probe_plan, reachable_speedup
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.planner import (
+    ProbePlan,
+    ScheduleRefusal,
+    WallClockPlan,
+    at_most,
+    auto_probe_plan,
+    late_first_window,
+    plan_schedule,
+    reach,
+    reachable_speedup,
+)
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
@@ -140,3 +151,86 @@ def test_a_fit_lands_on_the_contract_when_the_time_model_is_off(error: float) ->
     assert plan.steps_done == total
     # On the contract within 2%: one grid unit of the selector and the first interval's error, made up later.
     assert full_fit / plan.spent == pytest.approx(speedup, rel=0.02), (error, plan.spent, full_fit)
+
+
+def test_a_ceiling_is_never_shown_rounded_up() -> None:
+    assert [at_most(v) for v in (1.0549, 1.0499, 2.0, 3.3399)] == ["1.05", "1.04", "2.00", "3.33"]
+
+
+def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
+    # 10 steps an epoch, 100 steps, 10 selections: the share allows floor(0.03 * 100 / 1) = 3 probe steps in all.
+    auto = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(10,), total_steps=100)
+    assert auto == Schedule(1, "epoch", 3, (10,), probe_every=10, total_steps=100)
+    # a window of 4 steps (the default) would fill a 4-step period: cut to one step fewer than the period
+    short = plan_schedule(4, "step", "auto", 1.1, steps_per_epoch=math.inf, total_steps=1000)
+    assert isinstance(short, Schedule) and short.probe_steps == 3
+    asked = plan_schedule(2, "epoch", 5, 2.0, steps_per_epoch=(10,), total_steps=None)
+    assert asked == Schedule(2, "epoch", 5, (10,), probe_every=1, total_steps=math.inf)
+    unknown = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=math.inf, total_steps=None)
+    assert isinstance(unknown, Schedule) and (unknown.probe_steps, unknown.probe_every) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("interval", "unit", "probe_steps", "lengths", "expected"),
+    [
+        (2, "step", 3, math.inf, "(2 = `interval` 2 x 1 step). Found: 3"),
+        (1, "epoch", 8, (8,), "(8 = `interval` 1 x steps per epoch). Found: 8"),
+        (1, "step", "auto", math.inf, "(1 = `interval` 1 x 1 step). Found: auto"),
+    ],
+)
+def test_plan_schedule_refuses_windows_that_fill_the_period(
+    interval: int, unit: str, probe_steps: int | str, lengths: float | tuple[int, ...], expected: str
+) -> None:
+    refusal = plan_schedule(interval, unit, probe_steps, 2.0, lengths, total_steps=100)  # type: ignore[arg-type]
+    assert refusal == ScheduleRefusal(
+        f"`probe_steps` must be fewer than the optimizer steps between two selections {expected}"
+    )
+
+
+def test_late_first_window_says_where_the_first_selection_comes() -> None:
+    late = Schedule(interval=3, unit="step", probe_steps=2)
+    assert late.first_window_end == 3
+    assert late_first_window(late) == (
+        "ElasticTensorSelection: `probe_steps` 2 leave the first selection no step to train before the next window "
+        "opens (3 optimizer steps between selections), so the first window runs on until step 3 and the first "
+        "selection comes there. Fewer than 1.5 `probe_steps` select earlier."
+    )
+    assert late_first_window(Schedule(interval=5, unit="step", probe_steps=2)) is None
+
+
+MODEL = StepTimeModel(t_dw=(1.0, 1.0, 1.0), t_dy=(1.0, 1.0, 1.0), t_fixed=2.0)  # full step 2 + 3 + 2 = 7
+NONE = [False, False, False]
+
+
+def test_reach_counts_probe_steps_at_full_cost_and_the_rest_at_the_cheapest_step() -> None:
+    schedule = Schedule(interval=10, unit="step", probe_steps=2, total_steps=40)
+    cheapest = min(MODEL.predict([k == d for k in range(3)]) for d in range(3))  # brute force: 3.0 (the last)
+    floor = cheapest / MODEL.full
+    fit = reach(MODEL, NONE, NONE, schedule, 40, profile_seconds=14.0, full_step=7.0)
+    probes = sum(schedule.window_end(step) is not None for step in range(40))  # 0, 1, 8, 9, 18, 19, 28, 29
+    assert probes == 8 and fit.floor == pytest.approx(floor)
+    assert fit.reachable == pytest.approx(40 / (probes + 32 * floor))
+    assert fit.this_fit == pytest.approx(40 / (2.0 + probes + 32 * floor))  # 14 s of profiling: two full steps
+    assert fit.profile_steps == pytest.approx(2.0)
+    assert fit.scope == "in a fit of 40 steps with 8 probe steps at full cost"
+    per_step = reach(MODEL, [False, True, False], NONE, schedule, None, profile_seconds=14.0, full_step=7.0)
+    assert per_step.reachable == per_step.this_fit == pytest.approx(7.0 / 4.0) and per_step.scope == "(per step)"
+
+
+def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone_costs() -> None:
+    fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=14.0, full_step=7.0)
+    assert fit.check(1.0) is None  # reachable with this run's profiling too
+    with pytest.raises(ElasticConfigError) as refused:
+        fit.check(3.0)
+    assert str(refused.value) == (
+        f"`speedup` must be at most {at_most(fit.reachable)} for this model on this device in a fit of 40 steps with "
+        "8 probe steps at full cost: the forward pass and the parts of a step that every selection pays (at least "
+        "the `train_always` tensors, or one tensor) take 43% of a full step. Train fewer tensors always, use fewer "
+        "`probe_steps`, a longer fit, or a lower speedup. Found: 3.0"
+    )
+    between = (fit.this_fit + fit.reachable) / 2
+    assert fit.check(between) == (
+        f"ElasticTensorSelection: profiling took 14.0 s (2 full steps) of this fit's budget, so this fit reaches at "
+        f"most {at_most(fit.this_fit)}x of the `speedup` {between!r} asked. The profile is cached: later fits on this "
+        f"device reach {at_most(fit.reachable)}x."
+    )

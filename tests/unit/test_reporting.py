@@ -1,11 +1,26 @@
 import json
 import math
+from typing import Any
 
 import pytest
 
+from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.planner import WallClockPlan
-from lightning_elastic.records import Decision, Mask, SelectionRecord
-from lightning_elastic.reporting import FitSummary, fit_summary, top_importance
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
+from lightning_elastic.reporting import (
+    FitSummary,
+    fit_summary,
+    interval_metrics,
+    progress_metrics,
+    selection_metrics,
+    start_message,
+    starved_warning,
+    top_importance,
+    write_selection,
+)
+from lightning_elastic.schedule import Schedule
+from lightning_elastic.time_model import StepTimeModel
 
 NAMES = ("stem.weight", "block.weight", "head.weight")
 NUMEL = (100, 300, 600)
@@ -64,3 +79,93 @@ def test_top_importance_is_tagged_by_name_and_skips_not_a_number() -> None:
     rec = SelectionRecord(0, 0, Decision(Mask.of([True] * 7), (1, 7, 3, math.nan, 5, 6, 2), 0.1, 0.1), 0.2)
     names = [f"t{k}" for k in range(7)]
     assert list(top_importance(rec, names)) == [f"elastic/importance/t{k}" for k in (1, 5, 4, 2, 6)]
+
+
+def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
+    prof = TimingProfile(names=NAMES, t_dw=(0.001,) * 3, t_dy=(0.002,) * 3, t_fw=0.004, t_full=0.0125,
+                         device="cpu", fingerprint="f", unused=(), method="measured", numel=NUMEL)
+    assert start_message(prof, 1.5, 240, Schedule(2, "step", 4, probe_every=3)) == (
+        "ElasticTensorSelection: 3 tensors profiled on cpu (full forward+backward 12.5 ms, forward 4.0 ms); target "
+        "speedup 1.5 for the fit's 240 optimizer steps; 4 probe steps before the first selection and every 3 of the "
+        "selections every 2 step(s)"
+    )
+    assert "for the fit's steps (length unknown: planned per interval);" in start_message(
+        prof, 2.0, None, Schedule(1, "epoch", 4)
+    )
+
+
+def test_interval_metrics_compare_measured_with_predicted_and_measured_full_steps() -> None:
+    rec = record([False, True, True], (0.25, 0.35), predicted=0.25)
+    plan = WallClockPlan(speedup=2.0, total_steps=10, full_step=0.9, spent=3.0, steps_done=6)
+    unmeasured = interval_metrics(rec, plan, None)
+    assert unmeasured == {
+        "elastic/measured_step_ms": pytest.approx(300.0),
+        "elastic/predicted_step_ms": 250.0,
+        "elastic/planned_seconds": pytest.approx(2.7),
+        "elastic/spent_seconds": 3.0,
+        "elastic/fit_speedup": pytest.approx(1.8),
+        "elastic/time_model_correction": 1.0,
+    }
+    allreduce = SelectiveAllReduce()
+    allreduce.last_step_bytes, allreduce.last_step_full_bytes = 30, 120
+    measured = interval_metrics(rec, WallClockPlan(2.0, 10, 0.9, full_samples=4), allreduce)
+    assert measured["elastic/measured_speedup"] == pytest.approx(3.0)
+    assert measured["elastic/allreduce_fraction"] == 0.25
+
+
+def test_selection_metrics_are_the_record_in_milliseconds_and_shares() -> None:
+    rec = record([False, True, True], ())
+    metrics = selection_metrics(rec, WallClockPlan(2.0, 10, 1.0), NUMEL, select_seconds=0.002, optimizer_seconds=0.01)
+    assert {k: v for k, v in metrics.items() if "seconds" not in k and "speedup" not in k} == {
+        "elastic/selected_fraction": pytest.approx(2 / 3),
+        "elastic/selected_elements_fraction": 0.9,
+        "elastic/predicted_step_ms": 500.0,
+        "elastic/full_step_ms": 1000.0,
+        "elastic/target_step_ms": 500.0,
+        "elastic/optimizer_ms": 10.0,
+        "elastic/select_ms": 2.0,
+        "elastic/time_model_correction": 1.0,
+    }
+
+
+def test_progress_shows_probe_windows_as_every_tensor_trained() -> None:
+    mask = Mask.of([True, False, False, False])
+    assert progress_metrics(True, mask) == {"elastic/probing": 1.0, "elastic/trained": 1.0}
+    assert progress_metrics(False, None) == {"elastic/probing": 1.0, "elastic/trained": 1.0}
+    assert progress_metrics(False, mask) == {"elastic/probing": 0.0, "elastic/trained": 0.25}
+
+
+def test_starved_warning_gives_the_target_the_cheapest_step_and_the_largest_speedup() -> None:
+    model = StepTimeModel(t_dw=(0.01, 0.01), t_dy=(0.01, 0.01), t_fixed=0.02)  # cheapest: the last tensor, 30 ms
+    decision = Decision(Mask.of([False, True]), (1.0, 2.0), predicted_seconds=0.03, target_seconds=0.025, starved=True)
+    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5)
+    text = starved_warning(12, decision, StepTerms(model, 0.05, 0.0, 0.025), plan, [False, False], [False, False])
+    assert text == (
+        "ElasticTensorSelection: at step 12 the plan leaves 25.0 ms a step (full step 50.0 ms, 1.5 s spent of 2.5 s "
+        "planned); the cheapest selection takes 30.0 ms, so this interval spends more than its share of `speedup` 2.0 "
+        "(largest per-step speedup: 1.66x). Later intervals pay it back if they can: the summary's `fit_speedup` is "
+        "the outcome. Warned once a fit."
+    )
+
+
+class Writer:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, method: str) -> Any:
+        return lambda tag, *args, **kwargs: self.calls.append((method, tag))
+
+
+def test_a_selection_goes_to_tensorboard_as_histogram_top_tensors_map_and_text() -> None:
+    rec = record([False, True, True], ())
+    with_image, without = Writer(), Writer()
+    write_selection(with_image, rec, NAMES, 4, image=object())
+    write_selection(without, rec, NAMES, 4, image=None)
+    tops = [("add_scalar", f"elastic/importance/{n}") for n in ("block.weight", "head.weight", "stem.weight")]
+    assert with_image.calls == [
+        ("add_histogram", "elastic/importance"),
+        *tops,
+        ("add_image", "elastic/selection"),
+        ("add_text", "elastic/selection"),
+    ]
+    assert without.calls == [c for c in with_image.calls if c[0] != "add_image"]
