@@ -6,13 +6,13 @@
 Composes `conf/profile.yaml`, builds the LightningModule as `recipes/train.py` would (the data set gives only the
 number of classes, the image size and the batch size: no image is read), and times a training step on a random
 batch with `lightning_elastic.profile`. Writes `profile.md` (the table) and `profile.json` (the figures) to the
-run's output folder; with `paths.cache_dir` set, a later training run on the same device reuses the profile.
+run's output folder (`profile.json` as the library writes every profile: `+elastic.profile=<its path>` reads it);
+with `paths.cache_dir` set, a later training run on the same device reuses the profile.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import get_args
 
@@ -35,6 +35,7 @@ from elastic_zoo.recipe import (
 from lightning_elastic import TimingProfile, profile
 from lightning_elastic.inspection import profile_table
 from lightning_elastic.profiling import TimingMethod
+from lightning_elastic.profiling.profile import store
 
 # Lightning precision settings -> the autocast dtype a training step runs under (None: no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {
@@ -87,7 +88,7 @@ def run(cfg: DictConfig) -> TimingProfile:
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "profile.md").write_text(table + "\n")
-    (output_dir / "profile.json").write_text(json.dumps(profiled.to_dict(), indent=2) + "\n")
+    store(output_dir / "profile.json", profiled)  # the profile format's one writer: `profile=` and the cache read it
     print(table)
     print(
         f"\n{len(profiled.names)} tensors on {profiled.device} ({profiled.method}): full step "

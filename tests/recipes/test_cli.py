@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from elastic_zoo.models import tiny_cnn
 from elastic_zoo.module import ImageClassifier
+from lightning_elastic.profiling.profile import read_profile
 from recipes.train import format_summary
 from tests.recipes.recipe_fakes import REPO
 
@@ -142,6 +143,7 @@ def test_profile_command_prints_and_saves_the_timing_table(tmp_path: Path) -> No
     # Reference: the parameters of the module the recipe builds (tiny CNN, ELPV's 4 classes).
     expected = [name for name, _ in ImageClassifier(tiny_cnn(num_classes=4), num_classes=4).named_parameters()]
     assert saved["names"] == expected
+    assert read_profile(tmp_path / "profile.json").names == tuple(expected)  # the library's one reader reads it
     table = (tmp_path / "profile.md").read_text()
     assert table in result.stdout
     assert all(f"| {name} |" in table for name in expected)
