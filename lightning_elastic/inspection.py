@@ -1,4 +1,4 @@
-"""What the callback shows a person: the selection map, the compact heatmap, and the profile as a table.
+"""What the callback shows a person: the selection map and the profile as a table.
 
 Pure functions of plain data (records, names, numpy arrays), so that loggers and recipes only have to write them.
 The selection map is drawn with Pillow (TensorBoard's own PNG encoder), never with a plotting library.
@@ -15,39 +15,6 @@ from PIL import Image, ImageDraw, ImageFont
 
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import SelectionRecord
-
-# Colours of the heatmap cells (RGB): trained, frozen, pinned to train, pinned frozen.
-TRAINED = (46, 160, 67)
-FROZEN = (30, 30, 30)
-ALWAYS = (110, 200, 255)
-NEVER = (120, 120, 120)
-
-
-def selection_heatmap(
-    history: Sequence[Sequence[bool]],
-    required: Sequence[bool],
-    forbidden: Sequence[bool],
-    cell: int = 6,
-) -> np.ndarray:
-    """An RGB image (H, W, 3) of which tensors were trained at each selection.
-
-    Rows are tensors in forward order (input at the top), columns are successive selections (left to right),
-    each a `cell` x `cell` block: green trained, black frozen, light blue pinned to train, grey never trained.
-
-    Example:
-        >>> selection_heatmap([[True, False], [False, True]], [False, False], [False, False], cell=1)[:, :, 1]
-        array([[160,  30],
-               [ 30, 160]], dtype=uint8)
-    """
-    if not history:
-        raise ValueError("`history` must hold at least one selection. Found: 0")
-    masks = np.asarray(history, dtype=bool).T  # (tensors, selections)
-    image = np.empty((*masks.shape, 3), dtype=np.uint8)
-    image[masks] = TRAINED
-    image[~masks] = FROZEN
-    image[np.asarray(required, dtype=bool)] = ALWAYS
-    image[np.asarray(forbidden, dtype=bool)] = NEVER
-    return image.repeat(cell, axis=0).repeat(cell, axis=1)
 
 
 def profile_table(profile: TimingProfile, selected: Sequence[bool] | None = None) -> str:

@@ -297,14 +297,18 @@ class FitSummary:
         """Plain data for JSON."""
         return asdict(self)
 
+    def headline(self) -> str:
+        """The fit's speedup against the one asked, e.g. "1.93x (asked 2x, met)"."""
+        verdict = "met" if not self.shortfall else "NOT met"
+        return f"{self.fit_speedup:.2f}x (asked {self.target_speedup:g}x, {verdict})"
+
     def table(self) -> str:
         """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""
         overhead = self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
         share = overhead / self.spent_seconds if self.spent_seconds > 0 else math.nan
-        verdict = "met" if not self.shortfall else "NOT met"
         trained = ", ".join(f"{name} ({n}/{self.selections})" for name, n in self.most_trained) or "none"
         lines = [
-            f"  fit speedup        {self.fit_speedup:.2f}x (asked {self.target_speedup:g}x, {verdict}): "
+            f"  fit speedup        {self.headline()}: "
             f"{self.spent_seconds:.1f} s spent against {self.full_fit_seconds:.1f} s estimated for training every "
             f"tensor ({self.steps} steps x {self.full_step_seconds * 1e3:.1f} ms); "
             f"{self.planned_seconds:.1f} s planned",

@@ -15,7 +15,8 @@ memory and energy (NVML on NVIDIA GPUs; elsewhere wall time x `device.power_watt
 
 Writes to the run folder: `results.csv` (one row per method and seed), `results.md` (mean and spread over seeds,
 the elastic runs' own figures, the targets of the benchmark issue met or missed), `runs.json` (everything measured,
-curves and selections included), `accuracy_vs_time.png`, `selection_heatmap.png`; and logs every run, plus the
+curves and selections included), `accuracy_vs_time.png`, `selection_maps.png` (the selection map of every elastic
+run of the first seed; each run's own is `runs/<method>_seed_<seed>_selection_map.png`); and logs every run, plus the
 table and plots, to TensorBoard (`tensorboard --logdir <run folder>/tensorboard`). The methods, the measurement,
 the tables and the plots live in `elastic_zoo.benchmark`; this file is the command line.
 """
@@ -35,7 +36,7 @@ from elastic_zoo.benchmark.measure import run_isolated
 from elastic_zoo.benchmark.methods import benchmark_problems, methods_of, run_config
 from elastic_zoo.benchmark.plots import log_tensorboard, plot_accuracy, plot_selections
 from elastic_zoo.benchmark.report import failures, markdown_report, table_rows, write_csv
-from elastic_zoo.recipe import ConfigError, build, exit_on_config_error
+from elastic_zoo.recipe import ConfigError, build, exit_on_config_error, quiet_console
 
 
 @hydra.main(config_path="../conf", config_name="benchmark", version_base="1.3")
@@ -54,6 +55,7 @@ class RunFailed(RuntimeError):
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
     """Check the config, run every method for every seed in its own process, write the results; return the runs."""
+    quiet_console()
     problems = benchmark_problems(cfg)
     methods = methods_of(cfg) if not problems else []
     if not problems:
@@ -92,7 +94,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         rows = table_rows(done, fraction)
         write_csv(rows, output_dir / "results.csv")
         plot_accuracy(done, fraction, output_dir / "accuracy_vs_time.png")
-        plot_selections(done, output_dir / "selection_heatmap.png")
+        plot_selections(done, output_dir / "selection_maps.png")
         report = markdown_report(cfg, rows, time.perf_counter() - started) + failures(failed)
         log_tensorboard(done, report, fraction, output_dir)
     (output_dir / "results.md").write_text(report)

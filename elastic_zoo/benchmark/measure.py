@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning
 from omegaconf import DictConfig, OmegaConf
+from PIL import Image
 
 from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
 from elastic_zoo.benchmark.methods import Method
 from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
-from elastic_zoo.recipe import build, seed_everything, set_threads
+from elastic_zoo.recipe import build, quiet_console, seed_everything, set_threads
 from lightning_elastic import ElasticTensorSelection, TimingProfile, profile
 from lightning_elastic.freezing import match_patterns
 
@@ -59,6 +60,7 @@ def run_method(config: dict[str, Any], method: Method, path: str) -> None:
 
 def measure(cfg: DictConfig, method: Method, path: str) -> None:
     """Fit one method under measurement, test it, and write everything measured to `path` as JSON."""
+    quiet_console()  # a spawned process: the benchmark's own filters are not inherited
     seed_everything(cfg, workers=True)
     set_threads(cfg)
     parts = build(cfg)
@@ -127,7 +129,7 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
     )
     for callback in parts.callbacks:
         if isinstance(callback, ElasticTensorSelection):
-            result.update(elastic_figures(callback, head))
+            result.update(elastic_figures(callback, head, Path(path).with_name(f"{Path(path).stem}_selection_map.png")))
             result["trained_tensors"] = mean_or_nan([h["mask"].count("1") for h in result["history"]])
     Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -154,14 +156,20 @@ def offline_profile(module: L.LightningModule, datamodule: Any, cfg: DictConfig)
     )
 
 
-def elastic_figures(callback: ElasticTensorSelection, head: Sequence[str]) -> dict[str, Any]:
-    """The elastic run's own figures: its summary, every selection's mask, and how much consecutive ones differ."""
+def elastic_figures(callback: ElasticTensorSelection, head: Sequence[str], map_path: Path) -> dict[str, Any]:
+    """The elastic run's own figures: its summary, every selection's mask, and how much consecutive ones differ.
+
+    The callback's selection map is saved to `map_path` (a PNG; its path is in the figures), when there is one.
+    """
     summary = callback.summary()
     history = callback.history
     assert callback.timing_profile is not None
     names = list(callback.timing_profile.names)
     masks = [h.mask for h in history]
     changes = [sum(a != b for a, b in zip(x, y, strict=True)) for x, y in itertools.pairwise(masks)]
+    image = callback.selection_map()
+    if image is not None:
+        Image.fromarray(image).save(map_path)
     return {
         "elastic": summary,
         "freeze_seconds": summary["apply_seconds"],
@@ -169,6 +177,7 @@ def elastic_figures(callback: ElasticTensorSelection, head: Sequence[str]) -> di
         "required": [bool(r) for r in match_patterns(names, head, "train_always")],
         "history": [h.to_dict() for h in history],
         "mask_changes": changes,
+        "selection_map": str(map_path) if image is not None else None,
     }
 
 

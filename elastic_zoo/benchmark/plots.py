@@ -1,4 +1,4 @@
-"""The benchmark's plots (accuracy against wall-clock time, the selections) and its TensorBoard summary."""
+"""The benchmark's plots (accuracy against wall-clock time, the selection maps) and its TensorBoard summary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_elastic.inspection import selection_heatmap
+import numpy as np
+from PIL import Image
+
+MAP_DPI = 100  # the maps are drawn at one image pixel per figure pixel: their text stays sharp
 
 
 def _pyplot() -> Any:
@@ -65,23 +68,32 @@ def plot_accuracy(runs: Sequence[dict[str, Any]], fraction: float, path: Path) -
 
 
 def selections_figure(runs: Sequence[dict[str, Any]]) -> Any | None:
-    """Which tensors each elastic run of the first seed trained at each selection; None without elastic runs."""
+    """The selection maps of the elastic runs of the first seed, side by side; None without any.
+
+    Each map is the callback's own (`lightning_elastic.inspection.selection_map`), saved by its run: tensors by
+    module in model order, one column per selection, the states in its legend.
+    """
     first_seed = runs[0]["seed"] if runs else None
-    elastic = [r for r in runs if r.get("history") and r["seed"] == first_seed]
+    elastic = [r for r in runs if r.get("selection_map") and r["seed"] == first_seed]
     if not elastic:
         return None
+    images = [np.asarray(Image.open(r["selection_map"]).convert("RGB")) for r in elastic]
     plt = _pyplot()
-    figure, axes = plt.subplots(1, len(elastic), figsize=(2.2 + 1.6 * len(elastic), 6), squeeze=False)
-    for axis, r in zip(axes[0], elastic, strict=True):
-        masks = [[c == "1" for c in h["mask"]] for h in r["history"]]
-        image = selection_heatmap(masks, r["required"], [False] * len(r["required"]), cell=1)
-        axis.imshow(image, aspect="auto", interpolation="nearest")
-        axis.set_xticks(range(len(masks)), [str(h["epoch"]) for h in r["history"]], fontsize=7)
-        axis.set_xlabel("epoch of selection")
-        share = statistics.fmean(m.count(True) / len(m) for m in masks)
-        axis.set_title(f"{r['method']}\n{share:.0%} trained", fontsize=9)
-    axes[0][0].set_ylabel("tensor (forward order: input at the top)")
-    figure.suptitle(f"Selections, seed {first_seed} (green trained, blue pinned head, black frozen)", fontsize=9)
+    width = sum(image.shape[1] for image in images) / MAP_DPI + 0.3 * len(images)
+    height = max(image.shape[0] for image in images) / MAP_DPI + 0.8
+    figure, axes = plt.subplots(
+        1,
+        len(images),
+        figsize=(width, height),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [image.shape[1] for image in images]},
+    )
+    for axis, r, image in zip(axes[0], elastic, images, strict=True):
+        axis.imshow(image, interpolation="nearest")
+        axis.set_axis_off()
+        share = statistics.fmean(h["mask"].count("1") / len(h["mask"]) for h in r["history"])
+        axis.set_title(f"{r['method']}: {share:.0%} of tensors trained, mean over selections", fontsize=9)
+    figure.suptitle(f"Selections of the elastic runs, seed {first_seed}", fontsize=10)
     figure.tight_layout()
     return figure
 
@@ -89,7 +101,7 @@ def selections_figure(runs: Sequence[dict[str, Any]]) -> Any | None:
 def plot_selections(runs: Sequence[dict[str, Any]], path: Path) -> None:
     figure = selections_figure(runs)
     if figure is not None:
-        figure.savefig(path, dpi=120)
+        figure.savefig(path, dpi=MAP_DPI)
         _pyplot().close(figure)
 
 

@@ -11,14 +11,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from elastic_zoo.benchmark.methods import Method, benchmark_problems, methods_of, run_config
+from elastic_zoo.benchmark.plots import plot_selections
 from elastic_zoo.benchmark.report import markdown_report, table_rows, time_to_accuracy
 from elastic_zoo.models import tiny_cnn
 from elastic_zoo.module import ImageClassifier
+from lightning_elastic.inspection import MAP_STATES, selection_map
+from lightning_elastic.records import Decision, Mask, SelectionRecord
 from tests.integration.tiny import synthetic_profile
 from tests.recipes.recipe_fakes import CONF, REPO, compose_config, fake_fashion_mnist
 
@@ -127,6 +132,28 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     assert "- selected step <= 0.55 of the full step measured in the same run: 0.500, met (against the full " in report
 
 
+def test_the_selections_plot_shows_each_elastic_runs_own_selection_map_unscaled(tmp_path: Path) -> None:
+    names = [f"model.blocks.{k // 2}.t{k}" for k in range(6)]
+    decision = Decision(Mask.of([k >= 2 for k in range(6)]), (0.0,) * 6, 0.1, 0.2)
+    maps = {}
+    for name, selections in (("elastic_2x", 1), ("elastic_3x", 3)):
+        image = selection_map([SelectionRecord(s, s, decision, 0.3) for s in range(selections)], names, [4] * 6,
+                              [False] * 5 + [True], [False] * 6)  # fmt: skip
+        Image.fromarray(image).save(tmp_path / f"{name}.png")
+        maps[name] = image
+    history = [{"mask": "001111"}]
+    runs = [
+        _run("full", "full", 0, 100.0, [0.5]),
+        *(_run(n, "elastic", 0, 50.0, [0.5], history=history, selection_map=str(tmp_path / f"{n}.png")) for n in maps),
+        _run("elastic_2x", "elastic", 1, 50.0, [0.5], history=history, selection_map=str(tmp_path / "missing.png")),
+    ]  # the second seed's maps are not drawn
+    plot_selections(runs, tmp_path / "selection_maps.png")
+    plot = np.asarray(Image.open(tmp_path / "selection_maps.png").convert("RGB"))
+    assert plot.shape[1] >= sum(m.shape[1] for m in maps.values()) and plot.shape[0] >= max(m.shape[0] for m in maps.values())
+    legend = MAP_STATES[3][1]  # the pinned head's colour, in every map's cells and legend
+    assert (plot == np.array(legend, dtype=np.uint8)).all(axis=2).sum() >= sum((m == legend).all(axis=2).sum() for m in maps.values()) * 0.9
+
+
 def test_time_to_accuracy_is_the_first_validation_that_reaches_the_target() -> None:
     curve = [{"seconds": 1.0, "value": 0.2}, {"seconds": 2.0, "value": 0.9}, {"seconds": 3.0, "value": 0.95}]
     assert time_to_accuracy(curve, 0.9) == 2.0
@@ -173,6 +200,7 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
         history = runs[name]["history"]
         assert len(history) == 1 and all(h["mask"][-2:] == "11" for h in history)  # the head is always trained
         assert runs[name]["tensor_names"] == [n for n, _ in module.named_parameters()]
+        assert runs[name]["selection_map"] == str(run / "runs" / f"{name}_seed_0_selection_map.png")
     for r in runs.values():
         steps = r["steps"] * r["mean_step_seconds"]
         assert r["steps"] == 8 and 0 < steps + r["validation_seconds"] < r["wall_seconds"]
@@ -185,7 +213,7 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
     assert report in result.stdout
     assert all(f"| {m} |" in report for m in methods) and "## Targets (elastic_1.5x" in report
     assert (run / "accuracy_vs_time.png").stat().st_size > 10_000
-    assert (run / "selection_heatmap.png").stat().st_size > 5_000
+    assert (run / "selection_maps.png").stat().st_size > 5_000
     events = EventAccumulator(str(run / "tensorboard" / "summary"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     assert "accuracy_vs_seconds/elastic_1.5x/seed_0" in events.Tags()["scalars"]

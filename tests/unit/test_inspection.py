@@ -3,33 +3,17 @@ import time
 import numpy as np
 
 from lightning_elastic.inspection import (
-    ALWAYS,
-    FROZEN,
     MAP_STATES,
     MAX_COLUMNS,
     MAX_ROWS,
-    NEVER,
     ROW,
-    TRAINED,
     module_rows,
     profile_table,
-    selection_heatmap,
     selection_map,
     selection_states,
 )
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import Decision, Mask, SelectionRecord
-
-
-def test_heatmap_cells_show_each_tensor_at_each_selection() -> None:
-    history = [[True, False, True], [False, False, True]]
-    image = selection_heatmap(history, required=[False, False, True], forbidden=[False, True, False], cell=2)
-    assert image.shape == (6, 4, 3) and image.dtype == np.uint8
-    cells = image[::2, ::2]
-    assert tuple(cells[0, 0]) == TRAINED and tuple(cells[0, 1]) == FROZEN
-    assert tuple(cells[1, 0]) == NEVER and tuple(cells[1, 1]) == NEVER
-    assert tuple(cells[2, 0]) == ALWAYS
-    assert (image[0:2, 0:2] == np.array(TRAINED, dtype=np.uint8)).all()
 
 
 def test_profile_table_lists_every_tensor_in_milliseconds() -> None:

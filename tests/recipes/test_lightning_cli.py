@@ -1,0 +1,87 @@
+"""LightningCLI configures the callback like any other: a YAML `class_path`/`init_args`, or `--trainer.callbacks+=`.
+
+Each test runs `tests/recipes/lightning_cli_app.py` (a tiny model and `LightningCLI`) as a user runs a program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.tiny import synthetic_profile
+from tests.recipes.lightning_cli_app import TinyCLINet
+from tests.recipes.recipe_fakes import REPO
+
+pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse (the `dev` extra)")
+
+QUIET = ["--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false"]
+
+
+def run_cli(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The program run from `folder` (where LightningCLI saves its `config.yaml`), with the repository importable."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "tests.recipes.lightning_cli_app", *args]
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_yaml_class_path_configures_the_callback_and_the_fit_runs(tmp_path: Path) -> None:
+    # A fixed profile without calibration: two steps (a probe, a selected one) decide alike on any machine. It is
+    # given inline, as `TimingProfile`'s fields (a profile saved as JSON cannot be given by its path here: see
+    # docs/quickstart.md).
+    profile = synthetic_profile(TinyCLINet()).to_dict()
+    del profile["version"]
+    config = tmp_path / "elastic.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  max_steps: 2\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_elastic.ElasticTensorSelection\n"
+        "      init_args:\n"
+        "        speedup: 2.0\n"
+        "        probe_steps: 1\n"
+        "        interval: 2\n"
+        "        interval_unit: step\n"
+        "        calibrate: false\n"
+        f"        profile: {json.dumps(profile)}\n"
+    )
+    result = run_cli(tmp_path, "fit", f"--config={config}", *QUIET)
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = json.loads(result.stdout.strip().splitlines()[-1])
+    assert done == {"global_step": 2, "elastic_callbacks": 1, "speedup": 2.0, "selections": 1}
+
+
+def test_the_command_line_appends_the_callback_with_its_arguments(tmp_path: Path) -> None:
+    result = run_cli(
+        tmp_path,
+        "fit",
+        "--trainer.callbacks+=ElasticTensorSelection",
+        "--trainer.callbacks.speedup=2.5",
+        "--print_config",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "- class_path: lightning_elastic.ElasticTensorSelection\n    init_args:\n      speedup: 2.5\n" in result.stdout
+    )
+
+
+def test_a_speedup_that_is_not_a_number_is_refused_by_the_parser(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, "fit", "--trainer.callbacks+=ElasticTensorSelection", "--trainer.callbacks.speedup=abc")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "Parser key \"speedup\":\n          Expected a <class 'float'>. Got value: abc" in result.stderr
+
+
+def test_a_speedup_of_at_most_1_ends_the_program_with_the_callbacks_message(tmp_path: Path) -> None:
+    # jsonargparse checks the annotation (a float) as it parses; the constructor's own check runs when LightningCLI
+    # instantiates the callback, and LightningCLI lets that error through with its traceback, as it does for the
+    # constructor checks of Lightning's own callbacks. The message is the constructor's, word for word.
+    result = run_cli(
+        tmp_path, "fit", "--trainer.callbacks+=ElasticTensorSelection", "--trainer.callbacks.speedup=0.5", *QUIET
+    )
+    assert result.returncode == 1
+    assert "`speedup` must be a finite number > 1. Found: 0.5" in result.stderr
