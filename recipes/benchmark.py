@@ -8,7 +8,8 @@
 Composes `conf/benchmark.yaml`, checks the whole config up front, then for every seed runs every method one after
 another, each in a fresh process (so that peak memory and state are its own), on the same data split and epochs:
 full fine-tuning, head only, BitFit-like (head, biases, norm layers), a static selection of the last k tensors
-chosen offline to fit the same per-step budget, Lightning's `BackboneFinetuning`, and `ElasticTensorSelection` at
+chosen offline to fit the same per-step budget, Lightning's `BackboneFinetuning`, composer-style linear layer
+freezing, and `ElasticTensorSelection` at
 each target speedup. Each run measures its fit's wall clock (for elastic: profiling, probes and selections
 included), every step's time, validation accuracy after every epoch against wall-clock time, test accuracy, peak
 memory and energy (NVML on NVIDIA GPUs; elsewhere wall time x `device.power_watts`, an estimate).
@@ -16,9 +17,10 @@ memory and energy (NVML on NVIDIA GPUs; elsewhere wall time x `device.power_watt
 Writes to the run folder: `results.csv` (one row per method and seed), `results.md` (mean and spread over seeds,
 the elastic runs' own figures, the targets of the benchmark issue met or missed, accuracy at equal wall clock, and
 each elastic run minus every other method paired by seed with 95% intervals), `runs.json` (everything measured,
-curves and selections included), `accuracy_vs_time.png` (best accuracy so far against training seconds), `selection_heatmap.png`; and logs every run, plus the
-table and plots, to TensorBoard (`tensorboard --logdir <run folder>/tensorboard`). The methods, the measurement,
-the tables and the plots live in `elastic_zoo.benchmark`; this file is the command line.
+curves and selections included), `accuracy_vs_time.png` (best accuracy so far against training seconds),
+`selection_heatmap.png`; and logs every run, plus the table and plots, to TensorBoard (`tensorboard --logdir
+<run folder>/tensorboard`). The methods, the measurement, the tables and the plots live in `elastic_zoo.benchmark`;
+this file is the command line.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning
 from omegaconf import DictConfig, OmegaConf
 
-from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
+from elastic_zoo.baselines import LinearFreeze, TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
 from elastic_zoo.benchmark.methods import Method
 from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
@@ -89,6 +89,9 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
         attach_backbone(module, head)
         extra.append(BackboneFinetuning(unfreeze_backbone_at_epoch=int(cfg.benchmark.backbone_unfreeze_epoch)))
         result["trained_tensors"] = math.nan  # a schedule: the head (and norm layers) first, then everything
+    elif method.kind == "linear_freeze":
+        extra.append(LinearFreeze(head, float(cfg.benchmark.freeze_start), float(cfg.benchmark.freeze_level)))
+        result["trained_tensors"] = math.nan  # a schedule: everything, then ever fewer layers from the input side
     recorder = RunRecorder(str(cfg.benchmark.monitor))
     # The trainer was built with the config's callbacks; the method's own join them before fitting starts.
     trainer.callbacks.extend([*extra, recorder])  # type: ignore[attr-defined]

@@ -55,7 +55,7 @@ def test_every_preset_composes_into_runs_that_differ_only_in_method_and_seed(
 def test_the_default_run_is_the_published_setting(tmp_path: Path) -> None:
     cfg = compose_config([], tmp_path, name="benchmark")
     assert [m.name for m in methods_of(cfg)] == [
-        "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning",
+        "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze",
         "elastic_1.5x", "elastic_2x", "elastic_3x",
     ]  # fmt: skip
     assert cfg.model.head == "model._fc.*" and cfg.dataset.image_size == 96 and len(cfg.benchmark.seeds) >= 5
@@ -64,15 +64,16 @@ def test_the_default_run_is_the_published_setting(tmp_path: Path) -> None:
 def test_benchmark_settings_are_checked_together(tmp_path: Path) -> None:
     cfg = compose_config(
         ["benchmark.seeds=[1,1]", "benchmark.baselines=[full,lora]", "benchmark.elastic_speedups=[0.5]",
-         "benchmark.accuracy_fraction=2"],
+         "benchmark.accuracy_fraction=2", "benchmark.freeze_start=-0.1"],
         tmp_path,
         name="benchmark",
     )  # fmt: skip
     assert benchmark_problems(cfg) == [
         "benchmark: `seeds` must be a non-empty list of distinct ints. Found: [1, 1]",
         "benchmark: `baselines` must be distinct names among ('full', 'head_only', 'bitfit', 'static_last_k', "
-        "'backbone_finetuning'). Found: ['full', 'lora']",
+        "'backbone_finetuning', 'linear_freeze'). Found: ['full', 'lora']",
         "benchmark: `elastic_speedups` must be distinct numbers > 1. Found: [0.5]",
+        "benchmark: `freeze_start` must be a number in [0, 1). Found: -0.1",
         "benchmark: `accuracy_fraction` must be a number in (0, 1]. Found: 2",
     ]
 
@@ -156,7 +157,10 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
     run = tmp_path / "run"
     with (run / "results.csv").open() as file:
         rows = list(csv.DictReader(file))
-    methods = ["full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "elastic_1.2x", "elastic_1.5x"]
+    methods = [
+        "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze", "elastic_1.2x",
+        "elastic_1.5x",
+    ]  # fmt: skip
     assert [r["method"] for r in rows] == methods and list(rows[0]) == CSV_COLUMNS
     runs = {r["method"]: r for r in json.loads((run / "runs.json").read_text())}
     head = ["model.10.weight", "model.10.bias"]
