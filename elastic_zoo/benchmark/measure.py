@@ -109,6 +109,8 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
     cpu = _cpu_seconds() - cpu
     peak = peak_memory_mb(device)
     tested = trainer.test(module, datamodule=datamodule, verbose=False)
+    val_images = evaluated_images(trainer.num_val_batches, datamodule.val_dataloader())
+    test_images = evaluated_images(trainer.num_test_batches, datamodule.test_dataloader())
 
     record = recorder.record
     updated = [name for name, p in module.named_parameters() if not torch.equal(p.detach().cpu(), before[name])]
@@ -122,6 +124,8 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
         best_accuracy=max(accuracies, default=math.nan),
         final_accuracy=accuracies[-1] if accuracies else math.nan,
         test_accuracy=float(tested[0].get("test/acc", math.nan)) if tested else math.nan,
+        val_images=val_images,
+        test_images=test_images,
         peak_memory_mb=peak,
         energy_joules=joules,
         energy_source=source,
@@ -133,6 +137,19 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
             result.update(elastic_figures(callback, head))
             result["trained_tensors"] = mean_or_nan([h["mask"].count("1") for h in result["history"]])
     Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def evaluated_images(batches: Sequence[int | float], loader: Any) -> int:
+    """How many images an evaluation loop saw: its batches (after `limit_*_batches`) of the loader, the last partial.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> evaluated_images([3], DataLoader(list(range(100)), batch_size=32)), evaluated_images([4], DataLoader(
+        ...     list(range(100)), batch_size=32))
+        (96, 100)
+    """
+    total = sum(int(b) for b in batches if math.isfinite(b))
+    return min(len(loader.dataset), total * int(loader.batch_size))
 
 
 def offline_profile(module: L.LightningModule, datamodule: Any, cfg: DictConfig) -> TimingProfile:
