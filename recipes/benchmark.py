@@ -1,7 +1,7 @@
 """Compare elastic tensor selection with full fine-tuning and the usual baselines, side by side, in one command.
 
     python recipes/benchmark.py                          # Lite0 x ELPV at 96 px, 5 paired seeds
-    python recipes/benchmark.py benchmark=quick          # one seed, 4 epochs: 11.4 minutes on 2 CPU cores
+    python recipes/benchmark.py benchmark=quick          # 3 paired seeds, 3 epochs, 4 methods: ~12 min (estimate)
     python recipes/benchmark.py benchmark=fashion_mnist  # Lite0 x Fashion-MNIST
     python recipes/benchmark.py benchmark.seeds=[0] benchmark.baselines=[full] benchmark.elastic_speedups=[2.0]
 

@@ -24,20 +24,25 @@ def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float) -> Any:
     """Best validation accuracy so far against training seconds (validation left out) for every method.
 
     A line is the mean over seeds, the band one sample standard deviation; a curve starts once every seed has
-    validated. Dotted vertical lines mark the common times of the equal-wall-clock table.
+    validated, and a finished run keeps its best accuracy to the right edge (a dot marks the method's mean end).
+    Dotted vertical lines mark the common times of the equal-wall-clock table.
     """
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 5))
     grouped = by_method_and_seed(runs)
+    last = max(training_end(r) for r in runs)
+    grid = [last * i / 400 for i in range(401)]
     for name, by_seed in grouped.items():
         group = list(by_seed.values())
-        end = max(training_end(r) for r in group)
-        band = curve_band(group, [end * i / 200 for i in range(201)])
+        end = statistics.fmean(training_end(r) for r in group)
+        band = curve_band(group, sorted({*grid, end}))
         if not band:
             continue
         seconds, means, spreads = (list(column) for column in zip(*band, strict=True))
         style = "-" if name.startswith("elastic") else "--" if name == "full" else ":"
         (line,) = axes.plot(seconds, [100 * m for m in means], style, drawstyle="steps-post", label=name)
+        if end in seconds:
+            axes.plot([end], [100 * means[seconds.index(end)]], "o", color=line.get_color(), markersize=4)
         low = [100 * (m - s) for m, s in zip(means, spreads, strict=True)]
         high = [100 * (m + s) for m, s in zip(means, spreads, strict=True)]
         axes.fill_between(seconds, low, high, step="post", color=line.get_color(), alpha=0.12, linewidth=0)
