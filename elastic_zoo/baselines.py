@@ -8,12 +8,16 @@ so the optimizer holds only the trained tensors, as a user of the baseline would
 - BitFit-like: the head, every bias and every normalisation layer's scale and shift;
 - static last k: the head and the last k tensors (nearest the output), k the largest whose predicted training
   step fits `1 / speedup` of a full step under the same time model the elastic selection uses, chosen once;
-- Lightning's `BackboneFinetuning` needs a `backbone` attribute: `attach_backbone` gives the module one.
+- Lightning's `BackboneFinetuning` needs a `backbone` attribute: `attach_backbone` gives the module one;
+- composer-style linear layer freezing (`LinearFreeze`): layers frozen from the input side, none until
+  `freeze_start` of training, then linearly more until `freeze_level` of them at the end; the head never.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -179,3 +183,100 @@ def attach_backbone(module: nn.Module, head: Sequence[str]) -> nn.ModuleList:
     backbone = nn.ModuleList(parts(module))
     object.__setattr__(module, "backbone", backbone)
     return backbone
+
+
+def freeze_fraction(progress: float, freeze_start: float = 0.5, freeze_level: float = 1.0) -> float:
+    """The share of layers frozen once `progress` (0 to 1) of training is done: composer's linear schedule.
+
+    Nothing is frozen up to `freeze_start`; from there the share grows linearly to `freeze_level` at the end.
+
+    Example:
+        >>> [freeze_fraction(p) for p in (0.0, 0.5, 0.75, 1.0)]
+        [0.0, 0.0, 0.5, 1.0]
+    """
+    if progress <= freeze_start:
+        return 0.0
+    return freeze_level * (min(progress, 1.0) - freeze_start) / (1.0 - freeze_start)
+
+
+def layers_from_input(module: nn.Module, head: Sequence[str]) -> list[list[str]]:
+    """The parameter names of every module that holds parameters of its own, in module order, the head's left out.
+
+    Module order (registration order, depth first) is the input-to-output order of the zoo's models, as in
+    composer's layer freezing; a module holding any of the head's parameters is never a layer to freeze.
+
+    Example:
+        >>> layers_from_input(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)), ["2.*"])
+        [['0.weight', '0.bias'], ['1.weight', '1.bias']]
+    """
+    heads = set(head_only(module, head))
+    layers = []
+    for prefix, layer in module.named_modules():
+        names = [f"{prefix}.{name}" if prefix else name for name, _ in layer.named_parameters(recurse=False)]
+        if names and not heads.intersection(names):
+            layers.append(names)
+    return layers
+
+
+class LinearFreeze(Callback):
+    """Composer's layer freezing as a Lightning callback: layers frozen progressively from the input side.
+
+    Before every training step, the first `floor(freeze_fraction(progress) x layers)` layers of
+    `layers_from_input` stop requiring grad (and lose their gradient, so the optimizer skips them); a frozen
+    layer stays frozen. Progress is the optimizer steps done over the fit's total. Composer applies the same
+    schedule at epoch ends; here it moves at every step, so that a fit of few epochs freezes linearly too.
+
+    Args:
+        head: shell-style patterns of the head's parameter names: never frozen.
+        freeze_start: share of training before freezing begins, in [0, 1) (composer's default: 0.5).
+        freeze_level: share of the layers frozen at the end of training, in [0, 1] (composer's default: 1.0).
+
+    Example:
+        >>> from elastic_zoo.models import tiny_cnn
+        >>> from elastic_zoo.module import ImageClassifier
+        >>> module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2)
+        >>> trainer = L.Trainer(callbacks=[LinearFreeze(["model.10.*"])], max_epochs=1)
+    """
+
+    def __init__(self, head: Sequence[str], freeze_start: float = 0.5, freeze_level: float = 1.0) -> None:
+        problems = []
+        if not _in_range(freeze_start, 0, 1, high_included=False):
+            problems.append(f"`freeze_start` must be a number in [0, 1). Found: {freeze_start!r}")
+        if not _in_range(freeze_level, 0, 1, high_included=True):
+            problems.append(f"`freeze_level` must be a number in [0, 1]. Found: {freeze_level!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.head = tuple(head)
+        self.freeze_start = float(freeze_start)
+        self.freeze_level = float(freeze_level)
+        self.layers: list[list[str]] = []
+        self.frozen = 0
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.layers = layers_from_input(pl_module, self.head)
+            self.frozen = 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        progress = trainer.global_step / max(1, trainer.estimated_stepping_batches)
+        share = freeze_fraction(progress, self.freeze_start, self.freeze_level)
+        # The guard keeps float error (0.6 - 0.5) / 0.5 * 5 = 0.999... from losing a whole layer.
+        depth = min(len(self.layers), math.floor(share * len(self.layers) + 1e-9))
+        if depth > self.frozen:
+            params = dict(pl_module.named_parameters())
+            for names in self.layers[self.frozen : depth]:
+                for name in names:
+                    params[name].requires_grad_(False)
+                    params[name].grad = None
+            self.frozen = depth
+
+
+def _in_range(value: Any, low: float, high: float, high_included: bool) -> bool:
+    """`value` is a number (not a bool) in [low, high] or [low, high); NaN never is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return low <= value <= high if high_included else low <= value < high

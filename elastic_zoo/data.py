@@ -71,6 +71,7 @@ class ImageDataModule(L.LightningDataModule, ABC):
         seed: int = 0,
         num_workers: int = 0,
         augment: bool = True,
+        train_per_class: int | None = None,
     ) -> None:
         super().__init__()
         problems = []
@@ -83,6 +84,10 @@ class ImageDataModule(L.LightningDataModule, ABC):
                 problems.append(f"`{name}` must be a number in (0, 0.5). Found: {value!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             problems.append(f"`num_workers` must be a non-negative int. Found: {num_workers!r}")
+        if train_per_class is not None and (
+            isinstance(train_per_class, bool) or not isinstance(train_per_class, int) or train_per_class < 1
+        ):
+            problems.append(f"`train_per_class` must be a positive int or None. Found: {train_per_class!r}")
         if problems:
             raise ValueError("; ".join(problems))
         self.image_size = image_size
@@ -92,11 +97,18 @@ class ImageDataModule(L.LightningDataModule, ABC):
         self.seed = seed
         self.num_workers = num_workers
         self.augment = augment
+        self.train_per_class = train_per_class
         self._splits: dict[str, Dataset[Any]] = {}
 
     @abstractmethod
     def setup(self, stage: str | None = None) -> None:
         """Fill `self._splits` once; later calls do nothing."""
+
+    def _few_shot(self, train: Tensor, labels: Tensor) -> Tensor:
+        """`train` (indices into `labels`), cut to `train_per_class` images of each class when it is set."""
+        if self.train_per_class is None:
+            return train
+        return train[per_class(labels[train], self.train_per_class, self.seed)]
 
     def missing(self) -> list[str]:
         """What this machine lacks to load the data set (a package, a folder, a file); empty when nothing."""
@@ -150,8 +162,8 @@ class InMemoryImageData(ImageDataModule):
             return
         images, labels = self.load()
         images = to_normalised_rgb(images, self.image_size)
-        parts = stratified_split(labels, (self.val_fraction, self.test_fraction), self.seed)
-        train, val, test = parts
+        train, val, test = stratified_split(labels, (self.val_fraction, self.test_fraction), self.seed)
+        train = self._few_shot(train, labels)
         self._splits = {
             "train": TensorImages(images[train], labels[train], augment=self.augment),
             "val": TensorImages(images[val], labels[val]),
@@ -235,6 +247,7 @@ class LazyImageData(ImageDataModule):
             rest = torch.nonzero(~is_test).flatten()
             inner_train, inner_val = stratified_split(labels[rest], (self.val_fraction,), self.seed)
             train, val = rest[inner_train], rest[inner_val]
+        train = self._few_shot(train, labels)
         self._splits = {
             name: Subset(images, part.tolist())
             for name, part in zip(("train", "val", "test"), (train, val, test), strict=True)
@@ -622,3 +635,28 @@ def stratified_split(labels: Tensor, fractions: Sequence[float], seed: int) -> l
             part.append(members[start : start + size])
             start += size
     return [torch.cat(p).sort().values for p in parts]
+
+
+def per_class(labels: Tensor, k: int, seed: int) -> Tensor:
+    """Sorted positions of `k` items of every class of `labels`, drawn with `seed`: a few-shot training set.
+
+    The draw depends on the labels and the seed alone, so every method run with one seed trains on the same images.
+
+    Raises:
+        ValueError: when a class has fewer than `k` items.
+
+    Example:
+        >>> per_class(torch.tensor([0, 1, 0, 1, 0, 1]), 2, seed=0).tolist()
+        [0, 3, 4, 5]
+    """
+    generator = torch.Generator().manual_seed(seed)
+    chosen = []
+    for cls in labels.unique(sorted=True):
+        members = torch.nonzero(labels == cls).flatten()
+        if len(members) < k:
+            raise ValueError(
+                f"`train_per_class` must be at most the training images of every class: class {int(cls)} has "
+                f"{len(members)}. Found: {k}"
+            )
+        chosen.append(members[torch.randperm(len(members), generator=generator)[:k]])
+    return torch.cat(chosen).sort().values

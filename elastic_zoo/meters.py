@@ -30,11 +30,16 @@ EnergySource = Literal["nvml", "estimate"]
 
 @dataclass
 class EpochPoint:
-    """One validation: the epoch it closed, seconds since fitting started, and the monitored metric."""
+    """One validation: the epoch it closed, seconds since fitting started, and the monitored metric.
+
+    `train_seconds` is `seconds` without the validations so far (this one included): the training time spent
+    to reach `value`, the clock on which methods are compared at equal wall clock.
+    """
 
     epoch: int
     seconds: float
     value: float
+    train_seconds: float
 
 
 @dataclass
@@ -103,7 +108,13 @@ class RunRecorder(Callback):
         now = self._clock()
         self.record.validation_seconds += now - self._validation_started
         value = trainer.callback_metrics.get(self.monitor)
-        point = EpochPoint(trainer.current_epoch, now - self._started, math.nan if value is None else float(value))
+        seconds = now - self._started
+        point = EpochPoint(
+            trainer.current_epoch,
+            seconds,
+            math.nan if value is None else float(value),
+            seconds - self.record.validation_seconds,
+        )
         self.record.curve.append(point)
 
     @override

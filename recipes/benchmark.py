@@ -1,24 +1,27 @@
 """Compare elastic tensor selection with full fine-tuning and the usual baselines, side by side, in one command.
 
-    python recipes/benchmark.py                          # Lite0 x ELPV at 96 px, 3 seeds (docs/results.md)
-    python recipes/benchmark.py benchmark=quick          # one seed, 4 epochs: 11.4 minutes on 2 CPU cores
+    python recipes/benchmark.py                          # Lite0 x ELPV at 96 px, 5 paired seeds
+    python recipes/benchmark.py benchmark=quick          # 3 paired seeds, 3 epochs, 4 methods: ~12 min (estimate)
     python recipes/benchmark.py benchmark=fashion_mnist  # Lite0 x Fashion-MNIST
     python recipes/benchmark.py benchmark.seeds=[0] benchmark.baselines=[full] benchmark.elastic_speedups=[2.0]
 
 Composes `conf/benchmark.yaml`, checks the whole config up front, then for every seed runs every method one after
 another, each in a fresh process (so that peak memory and state are its own), on the same data split and epochs:
 full fine-tuning, head only, BitFit-like (head, biases, norm layers), a static selection of the last k tensors
-chosen offline to fit the same per-step budget, Lightning's `BackboneFinetuning`, and `ElasticTensorSelection` at
+chosen offline to fit the same per-step budget, Lightning's `BackboneFinetuning`, composer-style linear layer
+freezing, and `ElasticTensorSelection` at
 each target speedup. Each run measures its fit's wall clock (for elastic: profiling, probes and selections
 included), every step's time, validation accuracy after every epoch against wall-clock time, test accuracy, peak
 memory and energy (NVML on NVIDIA GPUs; elsewhere wall time x `device.power_watts`, an estimate).
 
 Writes to the run folder: `results.csv` (one row per method and seed), `results.md` (mean and spread over seeds,
-the elastic runs' own figures, the targets of the benchmark issue met or missed), `runs.json` (everything measured,
-curves and selections included), `accuracy_vs_time.png`, `selection_maps.png` (the selection map of every elastic
-run of the first seed; each run's own is `runs/<method>_seed_<seed>_selection_map.png`); and logs every run, plus the
-table and plots, to TensorBoard (`tensorboard --logdir <run folder>/tensorboard`). The methods, the measurement,
-the tables and the plots live in `elastic_zoo.benchmark`; this file is the command line.
+the elastic runs' own figures, the targets of the benchmark issue met or missed, accuracy at equal wall clock, and
+each elastic run minus every other method paired by seed with 95% intervals), `runs.json` (everything measured,
+curves and selections included), `accuracy_vs_time.png` (best accuracy so far against training seconds),
+`selection_maps.png` (the selection map of every elastic run of the first seed; each run's own is
+`runs/<method>_seed_<seed>_selection_map.png`); and logs every run, plus the table and plots, to TensorBoard
+(`tensorboard --logdir <run folder>/tensorboard`). The methods, the measurement, the tables and the plots live in
+`elastic_zoo.benchmark`; this file is the command line.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from elastic_zoo.benchmark.measure import run_isolated
 from elastic_zoo.benchmark.methods import benchmark_problems, methods_of, run_config
+from elastic_zoo.benchmark.paired import paired_report
 from elastic_zoo.benchmark.plots import log_tensorboard, plot_accuracy, plot_selections
 from elastic_zoo.benchmark.report import failures, markdown_report, table_rows, write_csv
 from elastic_zoo.recipe import ConfigError, build, exit_on_config_error, quiet_console
@@ -95,7 +99,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         write_csv(rows, output_dir / "results.csv")
         plot_accuracy(done, fraction, output_dir / "accuracy_vs_time.png")
         plot_selections(done, output_dir / "selection_maps.png")
-        report = markdown_report(cfg, rows, time.perf_counter() - started) + failures(failed)
+        report = markdown_report(cfg, rows, time.perf_counter() - started) + paired_report(done) + failures(failed)
         log_tensorboard(done, report, fraction, output_dir)
     (output_dir / "results.md").write_text(report)
     print(report)

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
-from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
+from elastic_zoo.baselines import LinearFreeze, TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
 from elastic_zoo.benchmark.methods import Method
 from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
@@ -91,6 +91,9 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
         attach_backbone(module, head)
         extra.append(BackboneFinetuning(unfreeze_backbone_at_epoch=int(cfg.benchmark.backbone_unfreeze_epoch)))
         result["trained_tensors"] = math.nan  # a schedule: the head (and norm layers) first, then everything
+    elif method.kind == "linear_freeze":
+        extra.append(LinearFreeze(head, float(cfg.benchmark.freeze_start), float(cfg.benchmark.freeze_level)))
+        result["trained_tensors"] = math.nan  # a schedule: everything, then ever fewer layers from the input side
     recorder = RunRecorder(str(cfg.benchmark.monitor))
     # The trainer was built with the config's callbacks; the method's own join them before fitting starts.
     trainer.callbacks.extend([*extra, recorder])  # type: ignore[attr-defined]
@@ -108,6 +111,8 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
     cpu = _cpu_seconds() - cpu
     peak = peak_memory_mb(device)
     tested = trainer.test(module, datamodule=datamodule, verbose=False)
+    val_images = evaluated_images(trainer.num_val_batches, datamodule.val_dataloader())
+    test_images = evaluated_images(trainer.num_test_batches, datamodule.test_dataloader())
 
     record = recorder.record
     updated = [name for name, p in module.named_parameters() if not torch.equal(p.detach().cpu(), before[name])]
@@ -121,6 +126,8 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
         best_accuracy=max(accuracies, default=math.nan),
         final_accuracy=accuracies[-1] if accuracies else math.nan,
         test_accuracy=float(tested[0].get("test/acc", math.nan)) if tested else math.nan,
+        val_images=val_images,
+        test_images=test_images,
         peak_memory_mb=peak,
         energy_joules=joules,
         energy_source=source,
@@ -132,6 +139,19 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
             result.update(elastic_figures(callback, head, Path(path).with_name(f"{Path(path).stem}_selection_map.png")))
             result["trained_tensors"] = mean_or_nan([h["mask"].count("1") for h in result["history"]])
     Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def evaluated_images(batches: Sequence[int | float], loader: Any) -> int:
+    """How many images an evaluation loop saw: its batches (after `limit_*_batches`) of the loader, the last partial.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> evaluated_images([3], DataLoader(list(range(100)), batch_size=32)), evaluated_images([4], DataLoader(
+        ...     list(range(100)), batch_size=32))
+        (96, 100)
+    """
+    total = sum(int(b) for b in batches if math.isfinite(b))
+    return min(len(loader.dataset), total * int(loader.batch_size))
 
 
 def offline_profile(module: L.LightningModule, datamodule: Any, cfg: DictConfig) -> TimingProfile:

@@ -9,7 +9,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-BASELINES: tuple[str, ...] = ("full", "head_only", "bitfit", "static_last_k", "backbone_finetuning")
+from elastic_zoo.baselines import LinearFreeze
+
+BASELINES: tuple[str, ...] = ("full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
     Example:
         >>> benchmark_problems(OmegaConf.create({"benchmark": {"seeds": [], "baselines": ["full"],
         ...     "elastic_speedups": [2.0], "static_speedup": 2.0, "backbone_unfreeze_epoch": 1,
-        ...     "reference_speedup": 2.0, "accuracy_fraction": 0.99, "monitor": "val/acc"}}))
+        ...     "reference_speedup": 2.0, "accuracy_fraction": 0.99, "monitor": "val/acc", "freeze_start": 0.5,
+        ...     "freeze_level": 1.0}}))
         ['benchmark: `seeds` must be a non-empty list of distinct ints. Found: []']
     """
     bench = cfg.benchmark
@@ -80,6 +83,10 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
             problems.append(f"`{key}` must be a number > 1. Found: {bench[key]!r}")
     if not (_is_int(bench.backbone_unfreeze_epoch) and bench.backbone_unfreeze_epoch >= 0):
         problems.append(f"`backbone_unfreeze_epoch` must be an int >= 0. Found: {bench.backbone_unfreeze_epoch!r}")
+    try:
+        LinearFreeze([], bench.freeze_start, bench.freeze_level)
+    except ValueError as err:
+        problems += str(err).split("; ")
     if not (_is_number(bench.accuracy_fraction) and 0 < bench.accuracy_fraction <= 1):
         problems.append(f"`accuracy_fraction` must be a number in (0, 1]. Found: {bench.accuracy_fraction!r}")
     return [f"benchmark: {p}" for p in problems]

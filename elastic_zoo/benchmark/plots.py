@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from elastic_zoo.benchmark.paired import by_method_and_seed, common_times, curve_band, training_end
+
 MAP_DPI = 100  # the maps are drawn at one image pixel per figure pixel: their text stays sharp
 
 
@@ -23,28 +25,33 @@ def _pyplot() -> Any:
 
 
 def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float) -> Any:
-    """Validation accuracy against seconds into the fit for every method: mean over seeds at each epoch."""
+    """Best validation accuracy so far against training seconds (validation left out) for every method.
+
+    A line is the mean over seeds, the band one sample standard deviation; a curve starts once every seed has
+    validated, and a finished run keeps its best accuracy to the right edge (a dot marks the method's mean end).
+    Dotted vertical lines mark the common times of the equal-wall-clock table.
+    """
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 5))
-    by_method: dict[str, list[dict[str, Any]]] = {}
-    for r in runs:
-        by_method.setdefault(r["method"], []).append(r)
-    for name, group in by_method.items():
-        epochs = min(len(r["curve"]) for r in group)
-        seconds = [statistics.fmean(r["curve"][e]["seconds"] for r in group) for e in range(epochs)]
-        values = [[100 * r["curve"][e]["value"] for r in group] for e in range(epochs)]
-        spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+    grouped = by_method_and_seed(runs)
+    last = max(training_end(r) for r in runs)
+    grid = [last * i / 400 for i in range(401)]
+    for name, by_seed in grouped.items():
+        group = list(by_seed.values())
+        end = statistics.fmean(training_end(r) for r in group)
+        band = curve_band(group, sorted({*grid, end}))
+        if not band:
+            continue
+        seconds, means, spreads = (list(column) for column in zip(*band, strict=True))
         style = "-" if name.startswith("elastic") else "--" if name == "full" else ":"
-        axes.errorbar(
-            seconds,
-            [statistics.fmean(v) for v in values],
-            yerr=spread,
-            fmt=style,
-            marker="o",
-            markersize=3,
-            capsize=2,
-            label=name,
-        )
+        (line,) = axes.plot(seconds, [100 * m for m in means], style, drawstyle="steps-post", label=name)
+        if end in seconds:
+            axes.plot([end], [100 * means[seconds.index(end)]], "o", color=line.get_color(), markersize=4)
+        low = [100 * (m - s) for m, s in zip(means, spreads, strict=True)]
+        high = [100 * (m + s) for m, s in zip(means, spreads, strict=True)]
+        axes.fill_between(seconds, low, high, step="post", color=line.get_color(), alpha=0.12, linewidth=0)
+    for times in common_times(grouped).values():
+        axes.axvline(statistics.fmean(times.values()), color="grey", linestyle=":", linewidth=0.6)
     full_best = [r["best_accuracy"] for r in runs if r["kind"] == "full"]
     if full_best:
         axes.axhline(
@@ -53,8 +60,8 @@ def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float) -> Any:
             linewidth=0.8,
             label=f"{fraction:.0%} of full's best",
         )
-    axes.set_xlabel("wall-clock seconds into the fit (profiling, probes and validations included)")
-    axes.set_ylabel("validation accuracy (%)")
+    axes.set_xlabel("training seconds into the fit (profiling and probes included, validation left out)")
+    axes.set_ylabel("best validation accuracy so far (%), mean ± sd over seeds")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()

@@ -64,6 +64,8 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float) -> list[dict[str
                 "best_acc": r["best_accuracy"],
                 "final_acc": r["final_accuracy"],
                 "test_acc": r["test_accuracy"],
+                "val_images": r["val_images"],
+                "test_images": r["test_images"],
                 "time_to_target_s": (
                     time_to_accuracy(r["curve"], fraction * reference["best_accuracy"]) if reference else math.nan
                 ),
@@ -160,6 +162,8 @@ def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: fl
         f"{cfg.elastic.interval_unit}(s), probe steps {cfg.elastic.probe_steps}; device {_choice(cfg, 'device')} "
         f"({torch.get_num_threads()} threads)",
         f"- benchmark wall time {seconds / 60:.1f} min; figures are mean ± sample standard deviation over seeds",
+        f"- evaluation: {_sizes(rows, 'val_images')} validation images (one image = "
+        f"{100 / max(1, min(r['val_images'] for r in rows)):.2f} points), {_sizes(rows, 'test_images')} test images",
         "- wall: the whole fit (training, every validation; for elastic also profiling, probes, selections); "
         "step: mean of every training step; accuracy: validation (`" + str(bench.monitor) + "`), best and final "
         "epoch; test: the final model on the test split",
@@ -281,6 +285,12 @@ def failures(failed: Sequence[dict[str, Any]]) -> str:
         return ""
     lines = ["", "## Failed runs", "", *(f"- {r['method']}, seed {r['seed']}: {r['error']}" for r in failed), ""]
     return "\n".join(lines)
+
+
+def _sizes(rows: Sequence[dict[str, Any]], key: str) -> str:
+    """The number of images every run evaluated, or their range when the runs differ (a split per seed)."""
+    sizes = sorted({int(r[key]) for r in rows})
+    return f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
 
 
 def _choice(cfg: DictConfig, group: str) -> str:

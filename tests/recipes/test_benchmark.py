@@ -31,7 +31,7 @@ PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
 CSV_COLUMNS = [
     "method", "seed", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
     "overhead_share", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
-    "final_acc", "test_acc", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
+    "final_acc", "test_acc", "val_images", "test_images", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
     "total_tensors", "offline_s", "profile_s", "probe_s", "select_s", "freeze_s", "full_step_ms", "selected_step_ms",
     "step_fraction", "step_vs_full_run", "predicted_step_ms", "selections", "changed_selections", "mean_tensors_changed",
 ]  # fmt: skip
@@ -60,24 +60,25 @@ def test_every_preset_composes_into_runs_that_differ_only_in_method_and_seed(
 def test_the_default_run_is_the_published_setting(tmp_path: Path) -> None:
     cfg = compose_config([], tmp_path, name="benchmark")
     assert [m.name for m in methods_of(cfg)] == [
-        "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning",
+        "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze",
         "elastic_1.5x", "elastic_2x", "elastic_3x",
     ]  # fmt: skip
-    assert cfg.model.head == "model._fc.*" and cfg.dataset.image_size == 96 and len(cfg.benchmark.seeds) == 3
+    assert cfg.model.head == "model._fc.*" and cfg.dataset.image_size == 96 and len(cfg.benchmark.seeds) >= 5
 
 
 def test_benchmark_settings_are_checked_together(tmp_path: Path) -> None:
     cfg = compose_config(
         ["benchmark.seeds=[1,1]", "benchmark.baselines=[full,lora]", "benchmark.elastic_speedups=[0.5]",
-         "benchmark.accuracy_fraction=2"],
+         "benchmark.accuracy_fraction=2", "benchmark.freeze_start=-0.1"],
         tmp_path,
         name="benchmark",
     )  # fmt: skip
     assert benchmark_problems(cfg) == [
         "benchmark: `seeds` must be a non-empty list of distinct ints. Found: [1, 1]",
         "benchmark: `baselines` must be distinct names among ('full', 'head_only', 'bitfit', 'static_last_k', "
-        "'backbone_finetuning'). Found: ['full', 'lora']",
+        "'backbone_finetuning', 'linear_freeze'). Found: ['full', 'lora']",
         "benchmark: `elastic_speedups` must be distinct numbers > 1. Found: [0.5]",
+        "benchmark: `freeze_start` must be a number in [0, 1). Found: -0.1",
         "benchmark: `accuracy_fraction` must be a number in (0, 1]. Found: 2",
     ]
 
@@ -87,7 +88,8 @@ def _run(method: str, kind: str, seed: int, wall: float, accuracies: list[float]
     return {
         "method": method, "kind": kind, "seed": seed, "wall_seconds": wall, "validation_seconds": 1.0, "steps": 10,
         "mean_step_seconds": wall / 20, "curve": curve, "best_accuracy": max(accuracies),
-        "final_accuracy": accuracies[-1], "test_accuracy": accuracies[-1], "peak_memory_mb": 100.0,
+        "final_accuracy": accuracies[-1], "test_accuracy": accuracies[-1], "val_images": 400, "test_images": 1000,
+        "peak_memory_mb": 100.0,
         "energy_joules": 3600.0, "energy_source": "estimate", "cpu_share": 0.9, "trained_tensors": 2.0, "total_tensors": 4,
         "offline_seconds": 0.0, **extra,
     }  # fmt: skip
@@ -125,6 +127,7 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     row = "| elastic_2x | 50 ± 0% | 55.0 ± 7.1 | 2.00 ± 0.00 | 2.02 ± 0.00 | 2750 ± 354 | 79.8 ± 13.8 | 79.5 ± 13.4 | 79.5 ± 13.4 "
     assert row + "| 46.7 ± 18.9 | 100 ± 0 | 1.000 ± 0.000 |" in report
     assert "| 30.0 (1/2) |" in report  # only the second seed of head_only reaches its target: counted apart
+    assert "- evaluation: 400 validation images (one image = 0.25 points), 1,000 test images" in report
     assert "- end-to-end wall clock >= 1.8x faster than full fine-tuning: 2.00x, met" in report
     assert "- elastic_2x: asked 2x, got 2.02 ± 0.00x: met" in report
     assert "- final accuracy within 1 point of full fine-tuning: 79.5% vs 80.0% (-0.5), met" in report
@@ -183,7 +186,10 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
     run = tmp_path / "run"
     with (run / "results.csv").open() as file:
         rows = list(csv.DictReader(file))
-    methods = ["full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "elastic_1.2x", "elastic_1.5x"]
+    methods = [
+        "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze", "elastic_1.2x",
+        "elastic_1.5x",
+    ]  # fmt: skip
     assert [r["method"] for r in rows] == methods and list(rows[0]) == CSV_COLUMNS
     runs = {r["method"]: r for r in json.loads((run / "runs.json").read_text())}
     head = ["model.10.weight", "model.10.bias"]
@@ -204,6 +210,8 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
     for r in runs.values():
         steps = r["steps"] * r["mean_step_seconds"]
         assert r["steps"] == 8 and 0 < steps + r["validation_seconds"] < r["wall_seconds"]
+        # benchmark.yaml holds out a quarter (60 of the 240 training images), tiny.yaml evaluates 2 batches of 16
+        assert (r["val_images"], r["test_images"]) == (32, 32)
         assert 0 <= r["final_accuracy"] <= 1 and r["curve"][-1]["value"] == r["final_accuracy"]
         assert r["energy_source"] == "estimate"
         assert r["energy_joules"] == pytest.approx(r["wall_seconds"] * 15.0, rel=1e-3)  # device=cpu: 15 W

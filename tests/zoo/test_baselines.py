@@ -12,11 +12,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from elastic_zoo.baselines import (
+    LinearFreeze,
     TrainOnly,
     attach_backbone,
     bitfit,
+    freeze_fraction,
     head_only,
     last_k_within_budget,
+    layers_from_input,
     train_only,
 )
 from elastic_zoo.models import efficientnet_lite0, tiny_cnn
@@ -153,3 +156,53 @@ def test_backbone_finetuning_trains_the_head_then_everything() -> None:
     # Epoch 0: the head and the BatchNorm layers (Lightning's train_bn=True); epoch 1: every tensor.
     assert changed_per_epoch[0] == {n for n, _ in module.named_parameters()} - convs
     assert changed_per_epoch[1] == {n for n, _ in module.named_parameters()}
+
+
+def test_freeze_fraction_is_composers_linear_schedule() -> None:
+    assert [freeze_fraction(p) for p in (0.0, 0.25, 0.5, 0.6, 0.75, 1.0)] == pytest.approx([0, 0, 0, 0.2, 0.5, 1])
+    assert freeze_fraction(0.5, freeze_start=0.0, freeze_level=0.5) == 0.25
+    assert freeze_fraction(0.2, freeze_start=0.0) == pytest.approx(0.2)
+
+
+def test_layers_are_the_modules_with_parameters_from_the_input_side_without_the_head() -> None:
+    module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2)
+    layers = layers_from_input(module, ["model.10.*"])
+    assert layers == [[f"model.{i}.weight", f"model.{i}.bias"] for i in (0, 1, 3, 4, 6)]
+
+
+def test_linear_freeze_freezes_layers_from_the_input_side_at_the_steps_the_schedule_says() -> None:
+    module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2, lr=0.05)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainable: list[list[str]] = []
+    frozen_at: dict[str, torch.Tensor] = {}
+
+    class Watch(LinearFreeze):  # records, after the freezing of each step, which tensors train in it
+        def on_train_batch_start(self, trainer: object, pl_module: nn.Module, batch: object, batch_idx: int) -> None:  # type: ignore[override]
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # type: ignore[arg-type]
+            trainable.append([n.removeprefix("model.") for n, p in pl_module.named_parameters() if p.requires_grad])
+            for n, p in pl_module.named_parameters():
+                if not p.requires_grad and n not in frozen_at:
+                    frozen_at[n] = p.detach().clone()
+
+    # 10 steps, 5 layers below the head: frozen from step 6 (progress 0.6: 0.2 x 5 = 1 layer) one more per step
+    tiny_trainer(max_epochs=1, callbacks=[Watch(["model.10.*"])]).fit(module, _images(80))
+    layers = [[f"{i}.weight", f"{i}.bias"] for i in (0, 1, 3, 4, 6)]
+    head = ["10.weight", "10.bias"]
+    everything = [n for layer in layers for n in layer] + head
+    assert len(trainable) == 10
+    assert trainable[:6] == [everything] * 6
+    for step, depth in zip((6, 7, 8, 9), (1, 2, 3, 4), strict=True):
+        assert trainable[step] == [n for layer in layers[depth:] for n in layer] + head
+    # a frozen tensor is never updated again
+    params = dict(module.named_parameters())
+    assert set(frozen_at) == {f"model.{n}" for layer in layers[:4] for n in layer}
+    assert all(torch.equal(params[n], value) for n, value in frozen_at.items())
+    assert not torch.equal(params["model.6.weight"], before["model.6.weight"])  # trained in every step
+
+
+def test_linear_freeze_settings_are_checked_together() -> None:
+    with pytest.raises(ValueError) as error:
+        LinearFreeze(["head.*"], freeze_start=1.0, freeze_level=True)
+    assert str(error.value) == (
+        "`freeze_start` must be a number in [0, 1). Found: 1.0; `freeze_level` must be a number in [0, 1]. Found: True"
+    )

@@ -15,9 +15,11 @@ from elastic_zoo.data import (
     FashionMnistDataModule,
     ImageDataModule,
     ImageFolderDataModule,
+    InMemoryImageData,
     NormalisedBatch,
     OxfordPetsDataModule,
     SquareUInt8,
+    per_class,
     read_idx,
 )
 from tests.recipes.recipe_fakes import fake_cub, fake_fashion_mnist, fake_image_folder, fake_pets, normalised
@@ -167,3 +169,41 @@ def test_normalised_batch_flips_left_right_only() -> None:
 
 def test_elpv_is_available_from_its_package() -> None:
     assert ElpvDataModule().missing() == []
+
+
+def test_per_class_draws_k_of_every_class_with_the_seed() -> None:
+    labels = torch.tensor([0, 1, 2] * 6)
+    chosen = per_class(labels, 4, seed=3)
+    assert torch.bincount(labels[chosen]).tolist() == [4, 4, 4] and chosen.tolist() == sorted(set(chosen.tolist()))
+    assert torch.equal(per_class(labels, 4, seed=3), chosen)
+    assert any(not torch.equal(per_class(labels, 4, seed=s), chosen) for s in range(4, 10))
+    with pytest.raises(ValueError, match=r"`train_per_class` must be at most .* class 0 has 6. Found: 7"):
+        per_class(labels, 7, seed=0)
+
+
+def test_few_shot_training_sets_are_drawn_from_the_training_split_and_leave_evaluation_alone(tmp_path: Path) -> None:
+    fake_fashion_mnist(tmp_path, train=30, test=10)
+
+    def splits(**kwargs: object) -> dict[str, list[int]]:
+        data = FashionMnistDataModule(root=tmp_path, image_size=12, batch_size=3, val_fraction=0.2, **kwargs)  # type: ignore[arg-type]
+        data.setup()
+        return {name: list(part.indices) for name, part in data._splits.items()}  # type: ignore[attr-defined]
+
+    whole, few = splits(seed=1), splits(seed=1, train_per_class=3)
+    assert few["val"] == whole["val"] and few["test"] == whole["test"]
+    assert set(few["train"]) < set(whole["train"]) and len(few["train"]) == 9
+    assert sorted(i % 3 for i in few["train"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # fake labels: index % 3
+    assert splits(seed=1, train_per_class=3) == few  # every method of one seed trains on the same images
+
+    class Tiny(InMemoryImageData):
+        num_classes = 2
+
+        def load(self) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.arange(40, dtype=torch.uint8).view(40, 1, 1).expand(40, 8, 8), torch.arange(40) % 2
+
+    data = Tiny(image_size=8, batch_size=2, val_fraction=0.25, test_fraction=0.25, train_per_class=5, augment=False)
+    data.setup()
+    train = data._splits["train"]
+    assert torch.bincount(train.labels).tolist() == [5, 5]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"`train_per_class` must be a positive int or None. Found: 0"):
+        Tiny(train_per_class=0)

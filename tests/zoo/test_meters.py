@@ -43,6 +43,9 @@ def test_recorder_times_every_step_and_records_the_metric_after_every_validation
     assert [p.value for p in record.curve] == pytest.approx(values[-3:])
     seconds = [p.seconds for p in record.curve]
     assert seconds == sorted(seconds) and seconds[-1] < elapsed
+    # training time at the last validation: every validation so far taken out
+    assert record.curve[-1].train_seconds == seconds[-1] - record.validation_seconds
+    assert all(0 < p.train_seconds < p.seconds for p in record.curve)
     assert sum(record.step_seconds) + record.validation_seconds < elapsed
     assert record.validation_seconds > 0
 
