@@ -82,8 +82,8 @@ def last_k_within_budget(profile: TimingProfile, speedup: float, head: Sequence[
     Example:
         >>> p = TimingProfile(names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=2.0,
         ...     t_full=7.0, device="cpu", fingerprint="f", unused=(), method="measured", numel=(1, 1, 1))
-        >>> last_k_within_budget(p, speedup=1.5, head=["c"])
-        ['b', 'c']
+        >>> last_k_within_budget(p, speedup=1.1, head=["c"]), last_k_within_budget(p, speedup=1.5, head=["c"])
+        (['b', 'c'], ['c'])
     """
     if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not speedup > 1:
         raise ValueError(f"`speedup` must be a number > 1. Found: {speedup!r}")

@@ -464,7 +464,7 @@ class FashionMnistDataModule(LazyImageData):
 
     Example:
         >>> data = FashionMnistDataModule(root="/nowhere")
-        >>> data.num_classes, data.missing()[0][:38]
+        >>> data.num_classes, data.missing()[0][:39]
         (10, 'Fashion-MNIST is not in /nowhere: train')
     """
 

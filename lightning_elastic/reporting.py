@@ -53,7 +53,7 @@ def contract_metrics(plan: WallClockPlan) -> dict[str, float]:
 
 
 def start_message(profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule) -> str:
-    """What the fit starts with: the profile's figures, the target and the schedule.
+    r"""What the fit starts with: the profile's figures, the target and the schedule.
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
