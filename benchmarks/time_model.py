@@ -208,9 +208,15 @@ def bench_model(name: str, args: argparse.Namespace, quiet: Quiet) -> ModelResul
         step_time(model, compute_loss, all_names, [True] * len(all_names))
     profiles: dict[str, TimingProfile] = {}
     for method in args.methods:
-        # The whole profile must run undisturbed; allow the odd tick of a system daemon.
-        profiles[method] = quiet.run(lambda m=method: profile(model, compute_loss, method=m), tries=5, tolerance=10)
-    names = profiles[args.methods[0]].names
+        for plan in args.plans:
+            warmup, repeats = plan
+            # The whole profile must run undisturbed; allow the odd tick of a system daemon.
+            profiles[label(method, plan, args.plans)] = quiet.run(
+                lambda m=method, w=warmup, r=repeats: profile(model, compute_loss, method=m, warmup=w, repeats=r),
+                tries=5,
+                tolerance=10,
+            )
+    names = next(iter(profiles.values())).names
     assert all(p.names == names for p in profiles.values())
     model.requires_grad_(True)
     masks = random_masks(len(names), args.masks, random.Random(args.seed))
@@ -262,6 +268,17 @@ def bench_model(name: str, args: argparse.Namespace, quiet: Quiet) -> ModelResul
     )
 
 
+def label(method: str, plan: tuple[int, int], plans: Sequence[tuple[int, int]]) -> str:
+    """``method``, with the plan's ``warmup`` and ``repeats`` when several plans are compared."""
+    return method if len(plans) == 1 else f"{method} (warmup={plan[0]}, repeats={plan[1]})"
+
+
+def plan_of(text: str) -> tuple[int, int]:
+    """``"warmup:repeats"`` for `profile`, e.g. ``0:1`` (the default) or ``1:3`` (the earlier default)."""
+    warmup, repeats = text.split(":")
+    return int(warmup), int(repeats)
+
+
 def markdown(results: Sequence[ModelResult], methods: Sequence[str]) -> str:
     lines = [
         "| model | tensors | full step (s) | "
@@ -282,6 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--methods", nargs="+", default=["measured", "flops"], choices=["measured", "flops"])
+    parser.add_argument(
+        "--plans",
+        nargs="+",
+        type=plan_of,
+        default=[(0, 1)],
+        help="profiler pass plans as warmup:repeats, compared on the same selections (1:3 was the default before 0:1)",
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=112, help="CNN input size in pixels")
     parser.add_argument("--image-size-vit", type=int, default=96, help="ViT input size (a multiple of 16)")
@@ -295,18 +319,19 @@ def main(argv: list[str] | None = None) -> None:
     quiet = Quiet()
     started = time.time()
     results = []
+    labels = [label(m, plan, args.plans) for m in args.methods for plan in args.plans]
     for name in args.models:
         print(f"{name}:", flush=True)
         result = bench_model(name, args, quiet)
         results.append(result)
-        for m in args.methods:
+        for m in labels:
             med, worst = result.summary(m)
             print(
                 f"  {m}: median |error| {100 * med:.1f}%, worst {100 * worst:.1f}%, "
                 f"profiling {result.profile_steps[m]:.1f} full steps",
                 flush=True,
             )
-    table = markdown(results, args.methods)
+    table = markdown(results, labels)
     header = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_name(),
