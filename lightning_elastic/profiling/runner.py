@@ -38,8 +38,8 @@ def profile(
     *,
     method: TimingMethod = "measured",
     cache_dir: str | os.PathLike[str] | None = None,
-    warmup: int = 1,
-    repeats: int = 3,
+    warmup: int = 0,
+    repeats: int = 1,
     clock: Callable[[], float] | None = None,
 ) -> TimingProfile:
     """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
@@ -52,7 +52,7 @@ def profile(
     Args:
         model: the module whose parameters requiring grad are profiled (the others stay frozen).
         compute_loss: runs one forward pass on a real batch already on the device and returns the scalar
-            loss; it is called about 15-25 times.
+            loss; it is called about 11 times (more when timings are disturbed, see ``repeats``).
         method: ``"measured"`` (hooks + plain timings) or ``"flops"`` (analytic op costs scaled to one
             measured step).
         cache_dir: where profiles are stored as JSON, keyed by a fingerprint of the device (GPU name or
@@ -61,8 +61,13 @@ def profile(
             graph of the step (node types: functional ops and gradient checkpointing change it), the
             module calls that backward recomputes, and ``method``. A matching file is reused; a stale,
             mismatched or corrupt one is reported with a warning and replaced by a new measurement.
-        warmup: plain training steps run before any timing.
-        repeats: plain timings and instrumented passes of each kind; medians are kept.
+        warmup: plain training steps run before any timing, beyond the forward and backward pass that takes the
+            fingerprint (which warms up the device too).
+        repeats: instrumented passes of each kind, and rounds of plain timings that calibrate them; medians are
+            kept. The plain timings get up to three times as many rounds while repeated timings of one selection
+            disagree (another process using the device). A first profile costs about 6-7 full training steps
+            with the defaults (the time model's accuracy is checked in docs/time_model.md); ``warmup=1,
+            repeats=3`` was the earlier default, about 20.
         clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
 
     Returns:
@@ -326,7 +331,8 @@ class Runner:
     def _suffix_times(self, order: list[int], knots: list[int], repeats: int) -> tuple[float, list[float]]:
         """Plain forward time with nothing selected, and step times with tensors ``d..n-1`` selected.
 
-        Rounds interleave the selections so that a slow drift of the machine hits them all alike.
+        Rounds interleave the selections so that a slow drift of the machine hits them all alike. At least
+        ``repeats`` rounds run, more (up to ``NOISE_ROUNDS * repeats``) while repeated timings disagree.
         """
         masks = []
         for d in knots:
@@ -334,12 +340,15 @@ class Runner:
             for c in order[d:]:
                 mask[c] = True
             masks.append(mask)
-        empty: list[float] = []
+        nothing = [False] * len(self.params)
+        # The forward pass with nothing selected, timed before the first round and after every round, is the
+        # witness of a quiet machine: one round is enough when it brackets the round at the same time.
+        empty = [self.plain(nothing)[0]]
         steps: list[list[float]] = [[] for _ in knots]
         for rounds in range(1, NOISE_ROUNDS * repeats + 1):
-            empty.append(self.plain([False] * len(self.params))[0])
             for mask, column in zip(masks, steps, strict=True):
                 column.append(self.plain(mask)[1])
+            empty.append(self.plain(nothing)[0])
             noise = max(noise_of(column) for column in (empty, *steps))
             if rounds >= repeats and noise <= NOISE_LIMIT:
                 break
