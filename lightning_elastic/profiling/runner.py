@@ -215,10 +215,6 @@ class Runner:
         end = self.clock.now()
         return mid - start, end - start
 
-    def plain_median(self, mask: Sequence[bool], repeats: int) -> tuple[float, float]:
-        runs = [self.plain(mask) for _ in range(repeats)]
-        return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
     def signature(self) -> dict[str, Any]:
         """What the cache key must cover beyond the parameters: the step's structure, from one forward+backward.
 
@@ -386,8 +382,8 @@ class Runner:
         record.leaf_nodes = [n for n in walk(loss.grad_fn) if n.name() == ACCUMULATE_GRAD]
         structure = Structure(record, self.params)
         del loss
-        t_fw = self.plain_median([False] * n, repeats)[0]
-        t_full = self.plain_median([True] * n, repeats)[1]
+        # A full step bracketed by plain forwards, re-timed while the machine is disturbed (as calibration does).
+        t_fw, (t_full,) = self._suffix_times(structure.order, [0], repeats)
         raw = structure.flop_costs(record)
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
         scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
