@@ -63,8 +63,8 @@ def current_profile(
         )
     count = sum(p.requires_grad for p in pl_module.parameters())
     rank_zero_info(
-        f"ElasticTensorSelection: profiling {count} tensors on the first batch (about 20 training steps; "
-        "a cached profile of this model on this device is used instead when there is one)"
+        f"ElasticTensorSelection: profiling {count} tensors on the first batch (about 7 training steps, more "
+        "on a busy machine; a cached profile of this model on this device is used instead when there is one)"
     )
     return measure_profile(trainer, pl_module, method, resolve_cache_dir(cache_dir))
 
