@@ -1,4 +1,9 @@
-"""The methods a benchmark compares, read from `cfg.benchmark` and checked up front, and each run's config."""
+"""The methods a benchmark compares, read from `cfg.benchmark` and checked up front, and each run's config.
+
+Each run's method is its option of the `method/` config group (`conf/method/<kind>.yaml`), the one a single fit
+gets from `recipes/train.py method=<kind>`; the benchmark's own settings of a method (`static_speedup`,
+`backbone_unfreeze_epoch`, `freeze_start`, `freeze_level`) replace the option's fields of the same name.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from elastic_zoo.baselines import LinearFreeze
+from elastic_zoo.recipe import CONF_DIR
 
 BASELINES: tuple[str, ...] = ("full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze")
 
@@ -101,6 +107,7 @@ def run_config(cfg: DictConfig, method: Method, seed: int) -> dict[str, Any]:
     assert isinstance(run, dict)
     run_cfg = OmegaConf.create(run)
     run_cfg.seed = seed
+    run_cfg.method = method_config(cfg, method.kind)
     if method.kind == "elastic":
         run_cfg.elastic.speedup = method.speedup
         # A first run profiles into an empty folder of its own; its cached twin finds the profile there.
@@ -116,6 +123,21 @@ def run_config(cfg: DictConfig, method: Method, seed: int) -> dict[str, Any]:
     resolved = OmegaConf.to_container(run_cfg, resolve=True)
     assert isinstance(resolved, dict)
     return {str(key): value for key, value in resolved.items()}
+
+
+def method_config(cfg: DictConfig, kind: str) -> DictConfig:
+    """The `method/` group's option `kind`, with the fields `cfg.benchmark` sets for the benchmark's runs.
+
+    Example:
+        >>> method_config(OmegaConf.create({"benchmark": {"static_speedup": 1.5}}), "static_last_k").static_speedup
+        1.5
+    """
+    option = OmegaConf.load(CONF_DIR / "method" / f"{kind}.yaml")
+    assert isinstance(option, DictConfig)
+    for key in option:
+        if key in cfg.benchmark:
+            option[key] = cfg.benchmark[key]
+    return option
 
 
 def _is_int(value: Any) -> bool:
