@@ -8,13 +8,14 @@ gets from `recipes/train.py method=<kind>`; the benchmark's own settings of a me
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from elastic_zoo.baselines import LinearFreeze
+from elastic_zoo.method import BackboneFinetuning, LinearFreeze, StaticLastK
 from elastic_zoo.recipe import CONF_DIR
 
 BASELINES: tuple[str, ...] = ("full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze")
@@ -84,15 +85,19 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
         )
     if not bench.baselines and not speedups:
         problems.append("`baselines` and `elastic_speedups` must name at least one method. Found: none")
-    for key in ("static_speedup", "reference_speedup"):
-        if not (_is_number(bench[key]) and bench[key] > 1):
-            problems.append(f"`{key}` must be a number > 1. Found: {bench[key]!r}")
-    if not (_is_int(bench.backbone_unfreeze_epoch) and bench.backbone_unfreeze_epoch >= 0):
-        problems.append(f"`backbone_unfreeze_epoch` must be an int >= 0. Found: {bench.backbone_unfreeze_epoch!r}")
-    try:
-        LinearFreeze([], bench.freeze_start, bench.freeze_level)
-    except ValueError as err:
-        problems += str(err).split("; ")
+    if not (_is_number(bench.reference_speedup) and bench.reference_speedup > 1):
+        problems.append(f"`reference_speedup` must be a number > 1. Found: {bench.reference_speedup!r}")
+    # The benchmark's settings of the baselines, checked by the methods they are handed to.
+    checks: list[Callable[[], object]] = [
+        lambda: StaticLastK("*", bench.static_speedup, "measured", "cpu"),
+        lambda: BackboneFinetuning("*", bench.backbone_unfreeze_epoch),
+        lambda: LinearFreeze("*", bench.freeze_start, bench.freeze_level),
+    ]
+    for check in checks:
+        try:
+            check()
+        except ValueError as err:
+            problems += str(err).split("; ")
     if not (_is_number(bench.accuracy_fraction) and 0 < bench.accuracy_fraction <= 1):
         problems.append(f"`accuracy_fraction` must be a number in (0, 1]. Found: {bench.accuracy_fraction!r}")
     return [f"benchmark: {p}" for p in problems]
