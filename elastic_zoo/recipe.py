@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import lightning as L
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +32,7 @@ from torch import nn
 from typing_extensions import override
 
 from elastic_zoo.data import ImageDataModule
+from elastic_zoo.method import Elastic, FineTuningMethod, Full, MethodSetup
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
 
 T = TypeVar("T")
@@ -93,6 +94,14 @@ class Parts:
     callbacks: list[L.Callback]
     logger: Logger | None
     trainer: L.Trainer
+    method: FineTuningMethod
+
+    def prepare_method(self) -> MethodSetup:
+        """Hand the method's own callbacks to the trainer, before `fit` (static_last_k profiles here, offline)."""
+        setup = self.method.prepare(self.module, self.datamodule)
+        self.callbacks.extend(setup.callbacks)
+        self.trainer.callbacks.extend(setup.callbacks)  # type: ignore[attr-defined]
+        return setup
 
 
 class Problems:
@@ -193,7 +202,7 @@ def build_data_and_module(
                 f"`head` must match the names of the head's parameters in the LightningModule, such as "
                 f"{names[-1]!r}. Found: {head!r}",
             )
-        if _enabled(cfg, "elastic"):
+        if uses_elastic(cfg):
             unmatched = [str(p) for p in cfg.elastic.get("train_never") or () if not _matches(names, str(p))]
             if unmatched:
                 problems.add(
@@ -222,9 +231,10 @@ def build(cfg: DictConfig) -> Parts:
     """
     problems = Problems()
     problems.messages += check_settings(cfg)
+    method = build_method(cfg, problems)
     datamodule, module = build_data_and_module(cfg, problems)
     callbacks: list[L.Callback] = []
-    if _enabled(cfg, "elastic"):
+    if uses_elastic(cfg):
         callback = problems.attempt("elastic", lambda: instantiate(cfg.elastic, _convert_="all"))
         if callback is not None:
             callbacks.append(callback)
@@ -238,8 +248,39 @@ def build(cfg: DictConfig) -> Parts:
         trainer = problems.attempt("trainer", lambda: make_trainer(callbacks=list(callbacks), logger=logger or False))
     if problems.messages:
         raise ConfigError(problems.messages)
-    assert datamodule is not None and module is not None and trainer is not None
-    return Parts(datamodule, module, callbacks, logger, trainer)
+    assert datamodule is not None and module is not None and trainer is not None and method is not None
+    return Parts(datamodule, module, callbacks, logger, trainer, method)
+
+
+def build_method(cfg: DictConfig, problems: Problems) -> FineTuningMethod | None:
+    """The `method` group's method; with no `method` chosen, elastic (full fine-tuning with `elastic=none`).
+
+    A method that trains with the elastic callback cannot run with `elastic=none`: reported, not ignored.
+    """
+    if cfg.get("method") is None:
+        return Elastic() if _enabled(cfg, "elastic") else Full()
+    method = problems.attempt("method", lambda: instantiate(cfg.method))
+    if method is not None and not isinstance(method, FineTuningMethod):
+        problems.add("method", f"`_target_` must be a `FineTuningMethod` (conf/method/). Found: {cfg.method._target_}")
+        return None
+    if method is not None and method.uses_elastic and not _enabled(cfg, "elastic"):
+        problems.add(
+            "method",
+            f"`method={method.name}` trains with the `elastic` group's callback, which `elastic=none` turns off: "
+            f"drop `elastic=none`, or pick a method without it (method=full trains every tensor). Found: elastic=none",
+        )
+    return method
+
+
+def uses_elastic(cfg: DictConfig) -> bool:
+    """Whether the fit runs the `elastic` group's callback: the method is elastic (unset: unless `elastic=none`)."""
+    if cfg.get("method") is None or not _enabled(cfg, "elastic"):
+        return _enabled(cfg, "elastic")
+    try:
+        method = get_class(str(cfg.method._target_))
+    except CONFIG_ERRORS:  # `build_method` reports it
+        return False
+    return issubclass(method, FineTuningMethod) and method.uses_elastic
 
 
 def _matches(names: list[str], pattern: str) -> bool:

@@ -2,6 +2,7 @@
 
     python recipes/train.py experiment=demo                  # EfficientNet-Lite0 x ELPV, offline (`make demo`)
     python recipes/train.py experiment=demo elastic=none     # the same, training every tensor (the baseline)
+    python recipes/train.py experiment=demo method=bitfit    # the same, one of the baselines (conf/method/)
     python recipes/train.py model=resnet50 dataset=cub200 elastic.speedup=3 trainer.max_epochs=20
 
 Composes `conf/train.yaml` with the groups and overrides given, checks the whole config up front (one message
@@ -47,6 +48,7 @@ def run(cfg: DictConfig) -> tuple[dict[str, Any], Parts]:
     seed_everything(cfg, workers=True)
     set_threads(cfg)
     parts = build(cfg)
+    parts.prepare_method()
     parts.trainer.fit(parts.module, datamodule=parts.datamodule)
     results = parts.trainer.test(parts.module, datamodule=parts.datamodule, verbose=False)
     summary = summarise(cfg, parts, results[0] if results else {}, time.perf_counter() - started)
@@ -69,6 +71,7 @@ def summarise(cfg: DictConfig, parts: Parts, test: Mapping[str, float], wall_sec
         "dataset": _choice("dataset"),
         "device": _choice("device"),
         "elastic": _choice("elastic"),
+        "method": parts.method.name,
         "test_accuracy": float(test.get("test/acc", math.nan)),
         "test_images": len(parts.datamodule.test_dataloader().dataset),  # type: ignore[arg-type]
         "epochs": parts.trainer.current_epoch,
@@ -95,13 +98,13 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     Example:
         >>> print(format_summary({"model": "tiny", "dataset": "elpv", "device": "cpu", "elastic": "none",
-        ...     "test_accuracy": 0.5, "test_images": 10, "epochs": 1, "wall_seconds": 72.0, "power_watts": 10.0,
-        ...     "energy_wh_estimate": 0.2, "tensorboard_dir": None, "output_dir": "out"}))
+        ...     "method": "full", "test_accuracy": 0.5, "test_images": 10, "epochs": 1, "wall_seconds": 72.0,
+        ...     "power_watts": 10.0, "energy_wh_estimate": 0.2, "tensorboard_dir": None, "output_dir": "out"}))
         <BLANKLINE>
-        Summary: tiny x elpv on cpu, elastic=none, 1 epoch(s)
+        Summary: tiny x elpv on cpu, method=full, 1 epoch(s)
           test accuracy      0.5000 (10 test images)
           wall time          72 s (1.2 min), data loading and testing included
-          measured speedup   n/a: every tensor trained (elastic=none)
+          measured speedup   n/a: method=full runs no elastic selection
           energy (estimate)  0.20 Wh = 72 s x 10 W (device.power_watts: an estimate, not a measurement)
           TensorBoard        none (no logger, or fast_dev_run)
           run folder         out (config, log, summary.json, selection_map.png)
@@ -109,14 +112,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     wall = summary["wall_seconds"]
     lines = [
         "",
-        f"Summary: {summary['model']} x {summary['dataset']} on {summary['device']}, elastic={summary['elastic']}, "
+        f"Summary: {summary['model']} x {summary['dataset']} on {summary['device']}, method={summary['method']}, "
         f"{summary['epochs']} epoch(s)",
         f"  test accuracy      {summary['test_accuracy']:.4f} ({summary['test_images']} test images)",
         f"  wall time          {wall:.0f} s ({wall / 60:.1f} min), data loading and testing included",
     ]
     speedup = summary.get("measured_speedup", math.nan)
-    if summary["elastic"] == "none":
-        lines.append("  measured speedup   n/a: every tensor trained (elastic=none)")
+    if summary["method"] != "elastic":
+        lines.append(f"  measured speedup   n/a: method={summary['method']} runs no elastic selection")
     elif math.isfinite(speedup):  # the callback logged its table at fit end: one line here, not the table again
         headline = FitSummary(**summary["elastic_report"]).headline()
         lines.append(f"  elastic            fit speedup {headline}; its breakdown is the table logged at fit end")

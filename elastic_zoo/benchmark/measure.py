@@ -13,19 +13,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-import torch.nn.functional as F
-from lightning.pytorch.callbacks import BackboneFinetuning
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
-from elastic_zoo.baselines import LinearFreeze, TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
 from elastic_zoo.benchmark.methods import Method
 from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
 from elastic_zoo.recipe import build, quiet_console, seed_everything, set_threads
-from lightning_elastic import ElasticTensorSelection, TimingProfile, profile
+from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.freezing import match_patterns
 
 
@@ -69,34 +65,12 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
     head = [str(cfg.model.head)]
     total = len(list(module.parameters()))
     result: dict[str, Any] = {"method": method.name, "kind": method.kind, "speedup": method.speedup}
-    result.update(seed=int(cfg.seed), offline_seconds=0.0, trained_tensors=float(total), total_tensors=total)
-    extra: list[L.Callback] = []
-    if method.kind in ("head_only", "bitfit"):
-        names = head_only(module, head) if method.kind == "head_only" else bitfit(module, head)
-        extra.append(TrainOnly(names))
-        result["trained_tensors"] = float(len(names))
-    elif method.kind == "static_last_k":
-        started = time.perf_counter()
-        given = cfg.elastic.get("profile")  # a saved profile given to the elastic runs is the static one's too
-        timing = (
-            TimingProfile.from_dict(json.loads(Path(given).read_text()))
-            if given
-            else offline_profile(module, datamodule, cfg)
-        )
-        names = last_k_within_budget(timing, float(cfg.benchmark.static_speedup), head)
-        result["offline_seconds"] = time.perf_counter() - started
-        result["trained_tensors"] = float(len(names))
-        extra.append(TrainOnly(names))
-    elif method.kind == "backbone_finetuning":
-        attach_backbone(module, head)
-        extra.append(BackboneFinetuning(unfreeze_backbone_at_epoch=int(cfg.benchmark.backbone_unfreeze_epoch)))
-        result["trained_tensors"] = math.nan  # a schedule: the head (and norm layers) first, then everything
-    elif method.kind == "linear_freeze":
-        extra.append(LinearFreeze(head, float(cfg.benchmark.freeze_start), float(cfg.benchmark.freeze_level)))
-        result["trained_tensors"] = math.nan  # a schedule: everything, then ever fewer layers from the input side
+    setup = parts.prepare_method()  # static_last_k's offline choice happens here, before the measured fit
+    # a schedule's trained set changes during the fit (NaN); the elastic run's is its selections' mean, below
+    result.update(seed=int(cfg.seed), offline_seconds=setup.offline_seconds, total_tensors=total)
+    result["trained_tensors"] = setup.trained_tensors
     recorder = RunRecorder(str(cfg.benchmark.monitor))
-    # The trainer was built with the config's callbacks; the method's own join them before fitting starts.
-    trainer.callbacks.extend([*extra, recorder])  # type: ignore[attr-defined]
+    trainer.callbacks.append(recorder)  # type: ignore[attr-defined]
 
     before = {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
     device = trainer.strategy.root_device
@@ -152,28 +126,6 @@ def evaluated_images(batches: Sequence[int | float], loader: Any) -> int:
     """
     total = sum(int(b) for b in batches if math.isfinite(b))
     return min(len(loader.dataset), total * int(loader.batch_size))
-
-
-def offline_profile(module: L.LightningModule, datamodule: Any, cfg: DictConfig) -> TimingProfile:
-    """The timing profile the static selection is chosen from, taken before training on the first training images.
-
-    Taken as the elastic callback takes its own: on the training device, on one batch of the training set read
-    without advancing any random state (so training then sees the same batches as every other method).
-    """
-    accelerator = str(cfg.device.accelerator)
-    device = torch.device("cuda" if accelerator in ("cuda", "gpu") else "cpu")
-    module.to(device)
-    loader = datamodule.train_dataloader()
-    with torch.random.fork_rng(devices=[]):
-        size = min(int(loader.batch_size), len(loader.dataset))
-        images, labels = loader.collate_fn([loader.dataset[i] for i in range(size)])
-    images, labels = images.to(device), labels.to(device)
-    return profile(
-        module,
-        lambda: F.cross_entropy(module(images), labels),
-        method="flops" if cfg.elastic.time_model == "flops" else "measured",
-        cache_dir=None,
-    )
 
 
 def elastic_figures(callback: ElasticTensorSelection, head: Sequence[str], map_path: Path) -> dict[str, Any]:

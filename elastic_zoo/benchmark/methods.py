@@ -1,15 +1,22 @@
-"""The methods a benchmark compares, read from `cfg.benchmark` and checked up front, and each run's config."""
+"""The methods a benchmark compares, read from `cfg.benchmark` and checked up front, and each run's config.
+
+Each run's method is its option of the `method/` config group (`conf/method/<kind>.yaml`), the one a single fit
+gets from `recipes/train.py method=<kind>`; the benchmark's own settings of a method (`static_speedup`,
+`backbone_unfreeze_epoch`, `freeze_start`, `freeze_level`) replace the option's fields of the same name.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from elastic_zoo.baselines import LinearFreeze
+from elastic_zoo.method import BackboneFinetuning, LinearFreeze, StaticLastK
+from elastic_zoo.recipe import CONF_DIR
 
 BASELINES: tuple[str, ...] = ("full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze")
 
@@ -78,15 +85,19 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
         )
     if not bench.baselines and not speedups:
         problems.append("`baselines` and `elastic_speedups` must name at least one method. Found: none")
-    for key in ("static_speedup", "reference_speedup"):
-        if not (_is_number(bench[key]) and bench[key] > 1):
-            problems.append(f"`{key}` must be a number > 1. Found: {bench[key]!r}")
-    if not (_is_int(bench.backbone_unfreeze_epoch) and bench.backbone_unfreeze_epoch >= 0):
-        problems.append(f"`backbone_unfreeze_epoch` must be an int >= 0. Found: {bench.backbone_unfreeze_epoch!r}")
-    try:
-        LinearFreeze([], bench.freeze_start, bench.freeze_level)
-    except ValueError as err:
-        problems += str(err).split("; ")
+    if not (_is_number(bench.reference_speedup) and bench.reference_speedup > 1):
+        problems.append(f"`reference_speedup` must be a number > 1. Found: {bench.reference_speedup!r}")
+    # The benchmark's settings of the baselines, checked by the methods they are handed to.
+    checks: list[Callable[[], object]] = [
+        lambda: StaticLastK("*", bench.static_speedup, "measured", "cpu"),
+        lambda: BackboneFinetuning("*", bench.backbone_unfreeze_epoch),
+        lambda: LinearFreeze("*", bench.freeze_start, bench.freeze_level),
+    ]
+    for check in checks:
+        try:
+            check()
+        except ValueError as err:
+            problems += str(err).split("; ")
     if not (_is_number(bench.accuracy_fraction) and 0 < bench.accuracy_fraction <= 1):
         problems.append(f"`accuracy_fraction` must be a number in (0, 1]. Found: {bench.accuracy_fraction!r}")
     return [f"benchmark: {p}" for p in problems]
@@ -101,6 +112,7 @@ def run_config(cfg: DictConfig, method: Method, seed: int) -> dict[str, Any]:
     assert isinstance(run, dict)
     run_cfg = OmegaConf.create(run)
     run_cfg.seed = seed
+    run_cfg.method = method_config(cfg, method.kind)
     if method.kind == "elastic":
         run_cfg.elastic.speedup = method.speedup
         # A first run profiles into an empty folder of its own; its cached twin finds the profile there.
@@ -116,6 +128,21 @@ def run_config(cfg: DictConfig, method: Method, seed: int) -> dict[str, Any]:
     resolved = OmegaConf.to_container(run_cfg, resolve=True)
     assert isinstance(resolved, dict)
     return {str(key): value for key, value in resolved.items()}
+
+
+def method_config(cfg: DictConfig, kind: str) -> DictConfig:
+    """The `method/` group's option `kind`, with the fields `cfg.benchmark` sets for the benchmark's runs.
+
+    Example:
+        >>> method_config(OmegaConf.create({"benchmark": {"static_speedup": 1.5}}), "static_last_k").static_speedup
+        1.5
+    """
+    option = OmegaConf.load(CONF_DIR / "method" / f"{kind}.yaml")
+    assert isinstance(option, DictConfig)
+    for key in option:
+        if key in cfg.benchmark:
+            option[key] = cfg.benchmark[key]
+    return option
 
 
 def _is_int(value: Any) -> bool:

@@ -54,7 +54,7 @@ def test_every_preset_composes_into_runs_that_differ_only_in_method_and_seed(
     assert (full["logger"]["name"], full["logger"]["version"]) == (methods[0].name, "seed_7")
     assert full["paths"]["output_dir"] == str(tmp_path)
     same = {k for k in full if full[k] == elastic[k]}
-    assert same == set(full) - {"elastic", "logger"}
+    assert same == set(full) - {"elastic", "method", "logger"}
 
 
 def test_the_default_run_is_the_published_setting(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from elastic_zoo.module import ImageClassifier
 from elastic_zoo.recipe import ConfigError, build, check_settings
 from tests.recipes.recipe_fakes import CONF, compose_config
 
-GROUPS = ("device", "model", "dataset", "module", "elastic", "trainer", "logger", "paths", "experiment", "debug")
+GROUPS = ("device", "model", "dataset", "module", "elastic", "method", "trainer", "logger", "paths", "experiment", "debug")
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 EXPERIMENTS = [name for group, name in OPTIONS if group == "experiment"]
 MODELS = [name for group, name in OPTIONS if group == "model"]

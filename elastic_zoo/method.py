@@ -1,0 +1,181 @@
+"""The fine-tuning methods of the `method/` config group: what each trains, turned into callbacks for one fit.
+
+Each `conf/method/<name>.yaml` instantiates one of these classes. `prepare` is the one place that turns a
+method into the callbacks (and trainable sets) of a fit: `recipes/train.py method=<name>` and every run of the
+benchmark call it, after the parts are built and before `fit`. The elastic method's callback is the `elastic`
+group's; the other methods train without it.
+
+Example:
+    >>> from elastic_zoo.models import tiny_cnn
+    >>> from elastic_zoo.module import ImageClassifier
+    >>> module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2)
+    >>> setup = HeadOnly("model.10.*").prepare(module, datamodule=None)
+    >>> setup.trained_tensors, type(setup.callbacks[0]).__name__
+    (2.0, 'TrainOnly')
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning as _LightningBackboneFinetuning
+from torch import nn
+
+from elastic_zoo.baselines import LinearFreeze as _LinearFreezeCallback
+from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
+from lightning_elastic import TimingProfile, profile
+
+
+@dataclass
+class MethodSetup:
+    """What a method adds to a fit: its callbacks, how many tensors it trains, and its work before the fit.
+
+    `trained_tensors` is NaN for a schedule (the trained set changes during the fit); `offline_seconds` is the
+    time spent choosing the trained set before the fit (static_last_k's profile), not part of the fit.
+    """
+
+    callbacks: list[L.Callback] = field(default_factory=list)
+    trained_tensors: float = math.nan
+    offline_seconds: float = 0.0
+
+
+class FineTuningMethod:
+    """A way of fine-tuning: `prepare` returns the callbacks that make a fit train what the method trains."""
+
+    name: ClassVar[str]
+    uses_elastic: ClassVar[bool] = False  # whether the fit runs the `elastic` group's callback
+
+    def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
+        """The method's callbacks for a fit of `module` on `datamodule`; every tensor trained unless overridden."""
+        return MethodSetup(trained_tensors=float(len(list(module.parameters()))))
+
+
+class Full(FineTuningMethod):
+    """Full fine-tuning: every tensor trained at every step (the baseline the speedups are measured against)."""
+
+    name = "full"
+
+
+class Elastic(FineTuningMethod):
+    """Elastic tensor selection: the `elastic` group's `ElasticTensorSelection` callback picks what to train."""
+
+    name = "elastic"
+    uses_elastic = True
+
+
+class HeadOnly(FineTuningMethod):
+    """The head alone: every other tensor frozen (linear probing)."""
+
+    name = "head_only"
+
+    def __init__(self, head: str) -> None:
+        self.head = [head]
+
+    def names(self, module: nn.Module) -> list[str]:
+        return head_only(module, self.head)
+
+    def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
+        names = self.names(module)
+        return MethodSetup([TrainOnly(names)], float(len(names)))
+
+
+class BitFit(HeadOnly):
+    """BitFit-like: the head, every bias and the scale and shift of every normalisation layer."""
+
+    name = "bitfit"
+
+    def names(self, module: nn.Module) -> list[str]:
+        return bitfit(module, self.head)
+
+
+class StaticLastK(FineTuningMethod):
+    """The head and the last k tensors whose predicted step fits `1 / static_speedup` of a full step, chosen once.
+
+    The choice is made before the fit, from `profile` (a saved timing profile's JSON file) when given, else from
+    a profile taken on one batch of the training set on `accelerator` with `time_model`.
+    """
+
+    name = "static_last_k"
+
+    def __init__(
+        self, head: str, static_speedup: float, time_model: str, accelerator: str, profile: str | None = None
+    ) -> None:
+        if isinstance(static_speedup, bool) or not isinstance(static_speedup, (int, float)) or not static_speedup > 1:
+            raise ValueError(f"`static_speedup` must be a number > 1. Found: {static_speedup!r}")
+        self.head = [head]
+        self.static_speedup = float(static_speedup)
+        self.time_model = time_model
+        self.accelerator = accelerator
+        self.profile = profile
+
+    def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
+        started = time.perf_counter()
+        timing = (
+            TimingProfile.from_dict(json.loads(Path(self.profile).read_text()))
+            if self.profile
+            else offline_profile(module, datamodule, self.accelerator, self.time_model)
+        )
+        names = last_k_within_budget(timing, self.static_speedup, self.head)
+        return MethodSetup([TrainOnly(names)], float(len(names)), time.perf_counter() - started)
+
+
+class BackboneFinetuning(FineTuningMethod):
+    """Lightning's `BackboneFinetuning`: the head (and norm layers) first, the backbone from an epoch on."""
+
+    name = "backbone_finetuning"
+
+    def __init__(self, head: str, backbone_unfreeze_epoch: int) -> None:
+        if (
+            isinstance(backbone_unfreeze_epoch, bool)
+            or not isinstance(backbone_unfreeze_epoch, int)
+            or (backbone_unfreeze_epoch < 0)
+        ):
+            raise ValueError(f"`backbone_unfreeze_epoch` must be an int >= 0. Found: {backbone_unfreeze_epoch!r}")
+        self.head = [head]
+        self.backbone_unfreeze_epoch = backbone_unfreeze_epoch
+
+    def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
+        attach_backbone(module, self.head)
+        return MethodSetup([_LightningBackboneFinetuning(unfreeze_backbone_at_epoch=self.backbone_unfreeze_epoch)])
+
+
+class LinearFreeze(FineTuningMethod):
+    """Composer's layer freezing: layers frozen from the input side, linearly from `freeze_start` of training."""
+
+    name = "linear_freeze"
+
+    def __init__(self, head: str, freeze_start: float, freeze_level: float) -> None:
+        self.callback = _LinearFreezeCallback([head], freeze_start, freeze_level)  # checks both shares
+
+    def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
+        return MethodSetup([self.callback])
+
+
+def offline_profile(module: nn.Module, datamodule: Any, accelerator: str, time_model: str) -> TimingProfile:
+    """The timing profile the static selection is chosen from, taken before training on the first training images.
+
+    Taken as the elastic callback takes its own: on the training device, on one batch of the training set read
+    without advancing any random state (so training then sees the same batches as every other method).
+    """
+    device = torch.device("cuda" if accelerator in ("cuda", "gpu") else "cpu")
+    module.to(device)
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    with torch.random.fork_rng(devices=[]):
+        size = min(int(loader.batch_size), len(loader.dataset))
+        images, labels = loader.collate_fn([loader.dataset[i] for i in range(size)])
+    images, labels = images.to(device), labels.to(device)
+    return profile(
+        module,
+        lambda: F.cross_entropy(module(images), labels),
+        method="flops" if time_model == "flops" else "measured",
+        cache_dir=None,
+    )
