@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
-from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+from tests.integration.tiny import Crash, TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 PROFILE = synthetic_profile(TinyNet())
 
@@ -46,15 +46,6 @@ class MicroBatchMasks(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.by_step.setdefault(trainer.global_step, []).append(tuple(p.requires_grad for p in pl_module.parameters()))
-
-
-class Crash(Callback):
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.at_step:
-            raise RuntimeError("simulated crash")
 
 
 def test_resume_from_an_end_of_epoch_checkpoint_selects_what_the_uninterrupted_fit_selects(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
-from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+from tests.integration.tiny import Crash, TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 
 class Recorder(Callback):
@@ -337,15 +337,6 @@ def test_metrics_reach_every_logger_and_tensorboard(tmp_path: Path) -> None:
     # the importance of the top tensors, tagged by name
     top = max(range(len(names)), key=lambda k: callback.history[-1].decision.importance[k])
     assert f"elastic/importance/{names[top]}" in events.Tags()["scalars"]
-
-
-class Crash(Callback):
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.at_step:
-            raise RuntimeError("simulated crash")
 
 
 def test_resume_mid_interval_keeps_the_mask_in_force(tmp_path: Path) -> None:

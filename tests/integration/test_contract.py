@@ -21,7 +21,7 @@ from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
-from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+from tests.integration.tiny import Crash, TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 # Seconds-scale costs, so that the real microseconds the callback's own work takes are negligible.
 PROFILE = dataclasses.replace(
@@ -144,15 +144,6 @@ def test_an_unreachable_contract_is_refused_before_training() -> None:
     ):
         tiny_trainer(callbacks=[callback, Steps()], max_epochs=3).fit(TinyNet(), tiny_data())
     assert trained == []
-
-
-class Crash(Callback):
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.at_step:
-            raise RuntimeError("simulated crash")
 
 
 class PlanAtStart(Callback):

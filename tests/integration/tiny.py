@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -88,3 +89,14 @@ def synthetic_profile(module: nn.Module, forward_share: float = 0.3) -> TimingPr
         method="measured",
         numel=tuple(p.numel() for _, p in named),
     )
+
+
+class Crash(Callback):
+    """Raises at the start of optimizer step `at_step`: a fit that dies mid-training."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            raise RuntimeError("simulated crash")
