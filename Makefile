@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` (the main job) and `make test` (the test suite); `make bench` runs
-# the benchmark's quick preset (every method on ELPV, one seed, ~12 minutes on CPU).
+# the benchmark's quick preset (4 methods on ELPV, 3 paired seeds, 12-16 minutes on CPU).
 # Each creates and fills the virtual environment .venv when it is missing or older than pyproject.toml.
 PYTHON ?= python3
 VENV := .venv
