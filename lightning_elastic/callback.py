@@ -17,8 +17,6 @@ The callback is the method's table of contents; each step lives in its own modul
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +31,7 @@ from numpy import bool_ as np_bool
 from typing_extensions import override
 
 from lightning_elastic import reporting
+from lightning_elastic.arguments import Speedup, speedup_problem
 from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy
@@ -92,7 +91,7 @@ class ElasticTensorSelection(Callback):
 
     def __init__(
         self,
-        speedup: float = 2.0,
+        speedup: Speedup = 2.0,
         interval: int = 1,
         interval_unit: IntervalUnit = "epoch",
         probe_steps: int | Literal["auto"] = "auto",
@@ -108,8 +107,8 @@ class ElasticTensorSelection(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         problems = []
-        if isinstance(speedup, bool) or not isinstance(speedup, numbers.Real) or not 1 < float(speedup) < math.inf:
-            problems.append(f"`speedup` must be a finite number > 1. Found: {speedup!r}")
+        if (problem := speedup_problem(speedup)) is not None:
+            problems.append(problem)
         if not is_positive_int(interval):
             problems.append(f"`interval` must be a positive int. Found: {interval!r}")
         if interval_unit not in INTERVAL_UNITS:
