@@ -11,8 +11,9 @@ come from one batch, but in training ``g(w + dw)`` is the next optimizer step's 
 and that batch's noise makes the ranking worse (docs/importance.md: Spearman 0.59 against 0.99 for the
 before-gradient on one held-out batch of a real fine-tuning run); ``gradient="average"`` keeps it selectable,
 with the before-gradient standing alone where the next step brings none (end of the window, tensor frozen
-then). The ElasticTrainer reference uses the after-gradient alone. Importance is summed over a window of
-consecutive real training steps.
+then). The ElasticTrainer reference uses the after-gradient alone. Importance is kept per step over a window of
+consecutive real training steps (``importance_window``): summed, and reduced to a trimmed mean per step so that
+one outlier step does not dominate the window.
 
 :class:`ImportanceEvaluator` only reads gradients and weights. With the default before-gradient it keeps no
 copy of the weights: ``g . dw = g . w_after - g . w_before``, both summed in float64 (docs/memory.md); the
@@ -46,10 +47,10 @@ class ImportanceEvaluator:
     ``None`` at ``before_step()`` are frozen for that step: they are skipped and cost nothing.
 
     Training is never disturbed: weights, gradients, ``requires_grad`` and optimizer state are only read.
-    Sums are kept on the parameters' devices and moved to the CPU (float64) once per read of
-    :attr:`importance`. A non-finite after-gradient falls back to the before-gradient; a contribution that is
-    still not finite (a NaN or inf gradient, an AMP step skipped on overflow) is left out of the sum and out of
-    :attr:`counts`, and counted in :attr:`nonfinite`.
+    Each step's contributions are kept on the parameters' devices and moved to the CPU (float64) once per read
+    of :attr:`importance` or :attr:`per_step`. A non-finite after-gradient falls back to the before-gradient;
+    a contribution that is still not finite (a NaN or inf gradient, an AMP step skipped on overflow) is left
+    out of the sums and out of :attr:`counts`, and counted in :attr:`nonfinite`.
 
     Args:
         params: The tensors to evaluate, in the order of the importance vector (forward order).
@@ -102,6 +103,16 @@ class ImportanceEvaluator:
         brings its after-gradient, so this is always what ``finish()`` would leave now.
         """
         return self._window.total(self._pending)
+
+    @property
+    def per_step(self) -> Tensor:
+        """Each tensor's importance per step: a trimmed mean over the steps that measured it (``importance_window``).
+
+        Shape ``(N,)``, float64 on the CPU, 0 for a tensor no step measured. Like :attr:`importance`, it counts the
+        latest update with its before-gradient alone until the next ``before_step()``. One outlier step does not
+        dominate it once three steps measured the tensor.
+        """
+        return self._window.per_step(self._pending)
 
     @property
     def counts(self) -> list[int]:
@@ -159,6 +170,7 @@ class ImportanceEvaluator:
         """
         if self._open is None:
             raise RuntimeError(_ORDER + " Found: after_step() without before_step() before it")
+        step = self._window.steps
         for indices in self._open.values():
             grads: list[Tensor] = []
             missing: list[int] = []
@@ -177,12 +189,12 @@ class ImportanceEvaluator:
             if self._gradient == "before":
                 after = [_dot64(g, self._params[k]) for g, k in zip(grads, indices, strict=True)]
                 before = torch.stack([self._before_dots[k] - a for k, a in zip(indices, after, strict=True)])
-                self._window.add((indices, before))
+                self._window.add((step, indices, before))
                 continue
             buffers = [self._buffers[k] for k in indices]
             torch._foreach_sub_(buffers, [self._params[k] for k in indices])
             before = torch.stack([_dot(g, b) for g, b in zip(grads, buffers, strict=True)])
-            self._pending.append((indices, before))
+            self._pending.append((step, indices, before))
         self._window.close_step(k for indices in self._open.values() for k in indices)
         self._open = None
 
@@ -228,7 +240,7 @@ class ImportanceEvaluator:
 
     def _settle(self, grads: Sequence[Tensor | None]) -> None:
         """Move the pending update into the records, averaging in the after-gradient where there is one."""
-        for indices, before in self._pending:
+        for step, indices, before in self._pending:
             device = before.device
             after = torch.stack(
                 [
@@ -238,7 +250,7 @@ class ImportanceEvaluator:
             )
             combined = (before + after) * 0.5 if self._gradient == "average" else after
             # A missing or non-finite after-gradient (frozen now, AMP overflow) leaves the before-gradient.
-            self._window.add((indices, torch.where(after.isfinite(), combined, before)))
+            self._window.add((step, indices, torch.where(after.isfinite(), combined, before)))
         self._pending = []
 
     def _nan_on(self, device: torch.device) -> Tensor:
