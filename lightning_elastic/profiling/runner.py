@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,14 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling.attribution import Structure
-from lightning_elastic.profiling.calibration import (
-    NOISE_LIMIT,
-    NOISE_ROUNDS,
-    SEGMENTS,
-    calibrate,
-    calibration_knots,
-    noise_of,
-)
+from lightning_elastic.profiling.calibration import SEGMENTS, calibrate, calibration_knots, suffix_times
 from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
 from lightning_elastic.profiling.graph import ACCUMULATE_GRAD, InputLeaves, Node, OpGraph, OpRecorder, Pass, walk
 from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, cache_key, device_name, load_cached, store
@@ -320,42 +311,9 @@ class Runner:
         structure = Structure(full_passes[0], self.params)
         t_dw, t_dy, t_tail = structure.costs(full_passes, dx_passes, none_passes).model()
         knots = calibration_knots(t_dw, t_dy, SEGMENTS)
-        t_fw, times = self._suffix_times(structure.order, knots, repeats)
+        t_fw, times = suffix_times(self.plain, len(self.params), structure.order, knots, repeats)
         t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
         return Result(structure.order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
-
-    def _suffix_times(self, order: list[int], knots: list[int], repeats: int) -> tuple[float, list[float]]:
-        """Plain forward time with nothing selected, and step times with tensors ``d..n-1`` selected.
-
-        Rounds interleave the selections so that a slow drift of the machine hits them all alike. At least
-        ``repeats`` rounds run, more (up to ``NOISE_ROUNDS * repeats``) while repeated timings disagree.
-        """
-        masks = []
-        for d in knots:
-            mask = [False] * len(self.params)
-            for c in order[d:]:
-                mask[c] = True
-            masks.append(mask)
-        nothing = [False] * len(self.params)
-        # The forward pass with nothing selected, timed before the first round and after every round, is the
-        # witness of a quiet machine: one round is enough when it brackets the round at the same time.
-        empty = [self.plain(nothing)[0]]
-        steps: list[list[float]] = [[] for _ in knots]
-        for rounds in range(1, NOISE_ROUNDS * repeats + 1):
-            for mask, column in zip(masks, steps, strict=True):
-                column.append(self.plain(mask)[1])
-            empty.append(self.plain(nothing)[0])
-            noise = max(noise_of(column) for column in (empty, *steps))
-            if rounds >= repeats and noise <= NOISE_LIMIT:
-                break
-        if noise > NOISE_LIMIT:
-            warnings.warn(
-                f"Profiling: repeated timings of the same step differ too much (median {noise:.0%} above the fastest, "
-                f"after {rounds} rounds): something else is using this device, and the time model may be off. "
-                "Profile on a quiet machine, or give more `repeats`.",
-                stacklevel=4,
-            )
-        return statistics.median(empty), [statistics.median(column) for column in steps]
 
     def _run_flops(self, repeats: int) -> Result:
         n = len(self.params)
@@ -383,7 +341,7 @@ class Runner:
         structure = Structure(record, self.params)
         del loss
         # A full step bracketed by plain forwards, re-timed while the machine is disturbed (as calibration does).
-        t_fw, (t_full,) = self._suffix_times(structure.order, [0], repeats)
+        t_fw, (t_full,) = suffix_times(self.plain, len(self.params), structure.order, [0], repeats)
         raw = structure.flop_costs(record)
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
         scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
