@@ -21,7 +21,10 @@ from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, cac
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
 from lightning_elastic.timing import DeviceClock
 
-__all__ = ["fingerprint", "profile"]
+__all__ = ["Progress", "fingerprint", "profile"]
+
+Progress = Callable[[int, int, str], None]  # phase k of n starts, doing `what`
+PHASES = 3
 
 def profile(
     model: nn.Module,
@@ -32,6 +35,7 @@ def profile(
     warmup: int = 0,
     repeats: int = 1,
     clock: Callable[[], float] | None = None,
+    progress: Progress | None = None,
 ) -> TimingProfile:
     """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
 
@@ -60,6 +64,8 @@ def profile(
             with the defaults (the time model's accuracy is checked in docs/time_model.md); ``warmup=1,
             repeats=3`` was the earlier default, about 20.
         clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
+        progress: called as each phase starts with ``(k, n, what)``: phase ``k`` of ``n`` (1: the fingerprint,
+            which a cached profile ends with; 2: the instrumented or op-counting passes; 3: the plain timings).
 
     Returns:
         The `TimingProfile`.
@@ -85,6 +91,8 @@ def profile(
             raise ValueError(f"`{arg}` must be an int >= {low}. Found: {value!r}")
     with _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
+        runner.progress = progress or runner.progress
+        runner.progress(1, PHASES, "the step's fingerprint (one forward and backward pass)")
         fingerprint = runner.fingerprint(method)
         path = None if cache_dir is None else Path(cache_dir) / f"timing-{fingerprint[:24]}.json"
         cached = None if path is None else load_cached(path, fingerprint)
@@ -172,6 +180,7 @@ class Runner:
         self.device = self.params[0].device
         self.clock = clock
         self.leaves = InputLeaves(model)
+        self.progress: Progress = lambda k, n, what: None
 
     # -- passes ------------------------------------------------------------------------------------
 
@@ -288,6 +297,8 @@ class Runner:
 
     def run(self, method: TimingMethod, warmup: int, repeats: int) -> Result:
         n = len(self.params)
+        passes = "one pass counting each op's work" if method == "flops" else f"{3 * repeats} instrumented passes"
+        self.progress(2, PHASES, f"{warmup} plain warm-up step(s), then {passes}" if warmup else passes)
         for _ in range(warmup):
             self.plain([True] * n)
         if method == "flops":
@@ -311,6 +322,7 @@ class Runner:
         structure = Structure(full_passes[0], self.params)
         t_dw, t_dy, t_tail = structure.costs(full_passes, dx_passes, none_passes).model()
         knots = calibration_knots(t_dw, t_dy, SEGMENTS)
+        self.progress(3, PHASES, f"plain timings of {len(knots)} selections, {repeats} or more rounds (calibration)")
         t_fw, times = suffix_times(self.plain, len(self.params), structure.order, knots, repeats)
         t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
         return Result(structure.order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
@@ -341,6 +353,7 @@ class Runner:
         structure = Structure(record, self.params)
         del loss
         # A full step bracketed by plain forwards, re-timed while the machine is disturbed (as calibration does).
+        self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
         t_fw, (t_full,) = suffix_times(self.plain, len(self.params), structure.order, [0], repeats)
         raw = structure.flop_costs(record)
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
