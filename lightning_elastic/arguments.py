@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 from lightning_elastic.errors import ElasticConfigError
 
 
-def speedup_problem(value: object) -> str | None:
-    """The constructor's message for a `speedup` that is not a finite number > 1, or None when it is one.
+def speedup_problem(value: object, name: str = "speedup") -> str | None:
+    """The constructor's message for a speedup (the argument `name`) that is not a finite number > 1, or None.
 
     Example:
         >>> speedup_problem(2.0) is None, speedup_problem(0.5)
         (True, '`speedup` must be a finite number > 1. Found: 0.5')
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 < float(value) < math.inf:
-        return f"`speedup` must be a finite number > 1. Found: {value!r}"
+        return f"`{name}` must be a finite number > 1. Found: {value!r}"
     return None
 
 
