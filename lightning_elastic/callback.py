@@ -44,6 +44,7 @@ from lightning_elastic.schedule import IntervalUnit
 from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_supported, fit_schedule
+from lightning_elastic.summary import FitSummary, fit_summary
 
 TIME_MODELS: tuple[str, ...] = get_args(TimingMethod)
 INTERVAL_UNITS: tuple[str, ...] = get_args(IntervalUnit)
@@ -175,12 +176,12 @@ class ElasticTensorSelection(Callback):
         """Figures of the fit so far: whole-fit and per-step speedup, selected fraction, the method's own seconds."""
         return self.report().figures()
 
-    def report(self) -> reporting.FitSummary:
+    def report(self) -> FitSummary:
         """The fit so far against full fine-tuning, where the callback's time went, and what was trained most."""
         fit, profile = self._fit, self._profile
         if fit is None or profile is None:
-            return reporting.fit_summary((), None, {}, (), (), self._speedup)
-        return reporting.fit_summary(fit.history, fit.plan, fit.totals, profile.names, profile.numel, self._speedup)
+            return fit_summary((), None, {}, (), (), self._speedup)
+        return fit_summary(fit.history, fit.plan, fit.totals, profile.names, profile.numel, self._speedup)
 
     def selection_map(self) -> np.ndarray | None:
         """The selection map of the current (or last) fit as an RGB image (H, W, 3); None before any selection."""
