@@ -11,6 +11,9 @@ tailed (a batch with a large gradient, a loss spike, a warm-up step): under a pl
 the rest of the window and flip the ranking. A median would resist it too, but importance is meant as an expected
 loss drop, and the median of a skewed distribution is not its mean; trimming 10% a side keeps about 80% of the
 steps. With one or two steps nothing tells an outlier from the rest: their mean is the value.
+
+Keeping the steps costs host memory, not device memory: one float64 per tensor per step of the window (200 tensors
+over a 1,000-step interval: 1.6 MB), freed as the window is read and reset.
 """
 
 from __future__ import annotations
