@@ -24,7 +24,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
 
+from lightning_elastic.arguments import speedup_problem
 from lightning_elastic.freezing import match_patterns
+from lightning_elastic.planner import at_most
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.time_model import StepTimeModel
 
@@ -77,7 +79,8 @@ def last_k_within_budget(profile: TimingProfile, speedup: float, head: Sequence[
     step training more of the suffix never costs less, so the search stops at the first suffix over the budget.
 
     Raises:
-        ValueError: when `speedup` is not > 1, or the head alone does not fit the budget.
+        ValueError: when `speedup` is not a finite number > 1, or the head alone does not fit the budget (the
+            message gives the largest speedup that fits, rounded down).
 
     Example:
         >>> p = TimingProfile(names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=2.0,
@@ -85,8 +88,8 @@ def last_k_within_budget(profile: TimingProfile, speedup: float, head: Sequence[
         >>> last_k_within_budget(p, speedup=1.1, head=["c"]), last_k_within_budget(p, speedup=1.5, head=["c"])
         (['b', 'c'], ['c'])
     """
-    if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not speedup > 1:
-        raise ValueError(f"`speedup` must be a number > 1. Found: {speedup!r}")
+    if (problem := speedup_problem(speedup)) is not None:
+        raise ValueError(problem)
     model = StepTimeModel.from_profile(profile)
     limit = model.full / speedup
     required = match_patterns(profile.names, head, "head")
@@ -102,7 +105,7 @@ def last_k_within_budget(profile: TimingProfile, speedup: float, head: Sequence[
     if best is None:
         floor = model.predict(required) if any(required) else model.predict([i == n - 1 for i in range(n)])
         raise ValueError(
-            f"`speedup` must be at most {model.full / floor:.2f} for a static selection of this model: the head "
+            f"`speedup` must be at most {at_most(model.full / floor)} for a static selection of this model: the head "
             f"(or the last tensor) alone takes {floor / model.full:.0%} of a full step. Found: {speedup:g}"
         )
     return [name for name, keep in zip(profile.names, best, strict=True) if keep]

@@ -32,6 +32,7 @@ from torch import nn
 from elastic_zoo.baselines import LinearFreeze as _LinearFreezeCallback
 from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
 from lightning_elastic import TimingProfile, profile
+from lightning_elastic.arguments import speedup_problem
 
 
 @dataclass
@@ -108,8 +109,8 @@ class StaticLastK(FineTuningMethod):
     def __init__(
         self, head: str, static_speedup: float, time_model: str, accelerator: str, profile: str | None = None
     ) -> None:
-        if isinstance(static_speedup, bool) or not isinstance(static_speedup, (int, float)) or not static_speedup > 1:
-            raise ValueError(f"`static_speedup` must be a number > 1. Found: {static_speedup!r}")
+        if (problem := speedup_problem(static_speedup, "static_speedup")) is not None:
+            raise ValueError(problem)
         self.head = [head]
         self.static_speedup = float(static_speedup)
         self.time_model = time_model

@@ -17,8 +17,6 @@ The callback is the method's table of contents; each step lives in its own modul
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +31,7 @@ from numpy import bool_ as np_bool
 from typing_extensions import override
 
 from lightning_elastic import reporting
+from lightning_elastic.arguments import Speedup, speedup_problem
 from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy
@@ -45,6 +44,7 @@ from lightning_elastic.schedule import IntervalUnit
 from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_supported, fit_schedule
+from lightning_elastic.summary import FitSummary, fit_summary
 
 TIME_MODELS: tuple[str, ...] = get_args(TimingMethod)
 INTERVAL_UNITS: tuple[str, ...] = get_args(IntervalUnit)
@@ -92,7 +92,7 @@ class ElasticTensorSelection(Callback):
 
     def __init__(
         self,
-        speedup: float = 2.0,
+        speedup: Speedup = 2.0,
         interval: int = 1,
         interval_unit: IntervalUnit = "epoch",
         probe_steps: int | Literal["auto"] = "auto",
@@ -108,8 +108,8 @@ class ElasticTensorSelection(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         problems = []
-        if isinstance(speedup, bool) or not isinstance(speedup, numbers.Real) or not 1 < float(speedup) < math.inf:
-            problems.append(f"`speedup` must be a finite number > 1. Found: {speedup!r}")
+        if (problem := speedup_problem(speedup)) is not None:
+            problems.append(problem)
         if not is_positive_int(interval):
             problems.append(f"`interval` must be a positive int. Found: {interval!r}")
         if interval_unit not in INTERVAL_UNITS:
@@ -176,12 +176,12 @@ class ElasticTensorSelection(Callback):
         """Figures of the fit so far: whole-fit and per-step speedup, selected fraction, the method's own seconds."""
         return self.report().figures()
 
-    def report(self) -> reporting.FitSummary:
+    def report(self) -> FitSummary:
         """The fit so far against full fine-tuning, where the callback's time went, and what was trained most."""
         fit, profile = self._fit, self._profile
         if fit is None or profile is None:
-            return reporting.fit_summary((), None, {}, (), (), self._speedup)
-        return reporting.fit_summary(fit.history, fit.plan, fit.totals, profile.names, profile.numel, self._speedup)
+            return fit_summary((), None, {}, (), (), self._speedup)
+        return fit_summary(fit.history, fit.plan, fit.totals, profile.names, profile.numel, self._speedup)
 
     def selection_map(self) -> np.ndarray | None:
         """The selection map of the current (or last) fit as an RGB image (H, W, 3); None before any selection."""

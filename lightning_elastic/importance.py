@@ -11,8 +11,9 @@ come from one batch, but in training ``g(w + dw)`` is the next optimizer step's 
 and that batch's noise makes the ranking worse (docs/importance.md: Spearman 0.59 against 0.99 for the
 before-gradient on one held-out batch of a real fine-tuning run); ``gradient="average"`` keeps it selectable,
 with the before-gradient standing alone where the next step brings none (end of the window, tensor frozen
-then). The ElasticTrainer reference uses the after-gradient alone. Importance is summed over a window of
-consecutive real training steps.
+then). The ElasticTrainer reference uses the after-gradient alone. Importance is kept per step over a window of
+consecutive real training steps (``importance_window``): summed, and reduced to a trimmed mean per step so that
+one outlier step does not dominate the window.
 
 :class:`ImportanceEvaluator` only reads gradients and weights. With the default before-gradient it keeps no
 copy of the weights: ``g . dw = g . w_after - g . w_before``, both summed in float64 (docs/memory.md); the
@@ -30,8 +31,8 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
-# Per step: the tensor indices of one device and their contributions (a vector on that device).
-_Record = tuple[list[int], Tensor]
+from lightning_elastic.importance_window import ImportanceWindow, Record
+
 Gradient = Literal["average", "before", "after"]
 GRADIENTS: tuple[str, ...] = get_args(Gradient)
 
@@ -46,10 +47,10 @@ class ImportanceEvaluator:
     ``None`` at ``before_step()`` are frozen for that step: they are skipped and cost nothing.
 
     Training is never disturbed: weights, gradients, ``requires_grad`` and optimizer state are only read.
-    Sums are kept on the parameters' devices and moved to the CPU (float64) once per read of
-    :attr:`importance`. A non-finite after-gradient falls back to the before-gradient; a contribution that is
-    still not finite (a NaN or inf gradient, an AMP step skipped on overflow) is left out of the sum and out of
-    :attr:`counts`, and counted in :attr:`nonfinite`.
+    Each step's contributions are kept on the parameters' devices and moved to the CPU (float64) once per read
+    of :attr:`importance` or :attr:`per_step`. A non-finite after-gradient falls back to the before-gradient;
+    a contribution that is still not finite (a NaN or inf gradient, an AMP step skipped on overflow) is left
+    out of the sums and out of :attr:`counts`, and counted in :attr:`nonfinite`.
 
     Args:
         params: The tensors to evaluate, in the order of the importance vector (forward order).
@@ -86,16 +87,12 @@ class ImportanceEvaluator:
         self._params: list[Tensor] = _check_params(params)
         self._gradient = gradient
         n = len(self._params)
-        self._settled = torch.zeros(n, dtype=torch.float64)
-        self._steps = 0
-        self._counts = [0] * n
+        self._window = ImportanceWindow(n)
         # w_old between before_step and after_step, then -dw until the next before_step settles it.
         self._buffers: dict[int, Tensor] = {}
         self._open: dict[torch.device, list[int]] | None = None
-        self._pending: list[_Record] = []
-        self._records: list[_Record] = []
+        self._pending: list[Record] = []
         self._nan: dict[torch.device, Tensor] = {}
-        self._nonfinite = [0] * n
         self._before_dots: dict[int, Tensor] = {}  # "before": g.w at before_step, per open tensor
 
     @property
@@ -105,28 +102,32 @@ class ImportanceEvaluator:
         The latest update counts with its before-gradient alone until the next ``before_step()``
         brings its after-gradient, so this is always what ``finish()`` would leave now.
         """
-        self._flush()
-        total = self._settled.clone()
-        for indices, values in self._pending:
-            total.index_add_(0, torch.tensor(indices), _finite(values).to("cpu", torch.float64))
-        return total
+        return self._window.total(self._pending)
+
+    @property
+    def per_step(self) -> Tensor:
+        """Each tensor's importance per step: a trimmed mean over the steps that measured it (``importance_window``).
+
+        Shape ``(N,)``, float64 on the CPU, 0 for a tensor no step measured. Like :attr:`importance`, it counts the
+        latest update with its before-gradient alone until the next ``before_step()``. One outlier step does not
+        dominate it once three steps measured the tensor.
+        """
+        return self._window.per_step(self._pending)
 
     @property
     def counts(self) -> list[int]:
         """Per tensor, the optimizer steps of the window that measured it (frozen or non-finite steps do not count)."""
-        self._flush()
-        return [c - d for c, d in zip(self._counts, self._nonfinite, strict=True)]
+        return self._window.counts
 
     @property
     def nonfinite(self) -> list[int]:
         """Per tensor, the steps of the window whose contribution was not finite and was left out."""
-        self._flush()
-        return list(self._nonfinite)
+        return self._window.nonfinite
 
     @property
     def steps(self) -> int:
         """Optimizer steps counted in the window (``after_step()`` calls since the last ``reset()``)."""
-        return self._steps
+        return self._window.steps
 
     @torch.no_grad()
     def before_step(self) -> None:
@@ -169,6 +170,7 @@ class ImportanceEvaluator:
         """
         if self._open is None:
             raise RuntimeError(_ORDER + " Found: after_step() without before_step() before it")
+        step = self._window.steps
         for indices in self._open.values():
             grads: list[Tensor] = []
             missing: list[int] = []
@@ -187,17 +189,14 @@ class ImportanceEvaluator:
             if self._gradient == "before":
                 after = [_dot64(g, self._params[k]) for g, k in zip(grads, indices, strict=True)]
                 before = torch.stack([self._before_dots[k] - a for k, a in zip(indices, after, strict=True)])
-                self._records.append((indices, before))
+                self._window.add((step, indices, before))
                 continue
             buffers = [self._buffers[k] for k in indices]
             torch._foreach_sub_(buffers, [self._params[k] for k in indices])
             before = torch.stack([_dot(g, b) for g, b in zip(grads, buffers, strict=True)])
-            self._pending.append((indices, before))
-        for indices in self._open.values():
-            for k in indices:
-                self._counts[k] += 1
+            self._pending.append((step, indices, before))
+        self._window.close_step(k for indices in self._open.values() for k in indices)
         self._open = None
-        self._steps += 1
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -213,14 +212,8 @@ class ImportanceEvaluator:
 
     def reset(self) -> None:
         """Start a new window: zero the sums and the step count, drop pending updates and copies."""
-        self._settled.zero_()
-        self._steps = 0
-        self._counts = [0] * len(self._params)
-        self._nonfinite = [0] * len(self._params)
-        self._buffers = {}
-        self._open = None
-        self._pending = []
-        self._records = []
+        self._window.reset()
+        self._drop_updates()
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: ``{"importance": list of N floats, "steps": int, "counts": list of N ints}``.
@@ -228,7 +221,7 @@ class ImportanceEvaluator:
         The weight copies are not saved: a restored evaluator counts the latest update with its
         before-gradient alone (as :attr:`importance` does) and drops an open step.
         """
-        return {"importance": self.importance.tolist(), "steps": self._steps, "counts": list(self._counts)}
+        return self._window.state_dict(self._pending)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the sums and step count of :meth:`state_dict`; pending updates and copies are dropped.
@@ -236,25 +229,18 @@ class ImportanceEvaluator:
         Raises:
             ValueError: If ``state`` does not hold ``N`` finite importances and a non-negative step count.
         """
-        importance, steps = state.get("importance"), state.get("steps")
-        n = len(self._params)
-        problem = _importance_problem(importance, n)
-        if problem:
-            raise ValueError(
-                f"`state['importance']` must be a list of {n} finite numbers (one per tensor). Found: {problem}"
-            )
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"`state['steps']` must be a non-negative int. Found: {steps!r}")
-        self.reset()
-        self._settled = torch.tensor(importance, dtype=torch.float64)
-        self._steps = steps
-        counts = state.get("counts")
-        # Checkpoints without counts were taken in windows that train every tensor.
-        self._counts = [int(c) for c in counts] if isinstance(counts, list) and len(counts) == n else [steps] * n
+        self._window.load_state_dict(state)
+        self._drop_updates()
+
+    def _drop_updates(self) -> None:
+        """Forget the updates in flight: the open step, the pending one and the weight copies."""
+        self._buffers = {}
+        self._open = None
+        self._pending = []
 
     def _settle(self, grads: Sequence[Tensor | None]) -> None:
         """Move the pending update into the records, averaging in the after-gradient where there is one."""
-        for indices, before in self._pending:
+        for step, indices, before in self._pending:
             device = before.device
             after = torch.stack(
                 [
@@ -264,22 +250,8 @@ class ImportanceEvaluator:
             )
             combined = (before + after) * 0.5 if self._gradient == "average" else after
             # A missing or non-finite after-gradient (frozen now, AMP overflow) leaves the before-gradient.
-            self._records.append((indices, torch.where(after.isfinite(), combined, before)))
+            self._window.add((step, indices, torch.where(after.isfinite(), combined, before)))
         self._pending = []
-
-    def _flush(self) -> None:
-        """Add the recorded contributions to the CPU sums: one transfer per device."""
-        by_device: dict[torch.device, tuple[list[int], list[Tensor]]] = {}
-        for indices, values in self._records:
-            all_indices, all_values = by_device.setdefault(values.device, ([], []))
-            all_indices.extend(indices)
-            all_values.append(values)
-        for all_indices, all_values in by_device.values():
-            values = torch.cat(all_values).to("cpu", torch.float64)
-            for position in (~values.isfinite()).nonzero().flatten().tolist():
-                self._nonfinite[all_indices[position]] += 1
-            self._settled.index_add_(0, torch.tensor(all_indices), _finite(values))
-        self._records = []
 
     def _nan_on(self, device: torch.device) -> Tensor:
         if device not in self._nan:
@@ -374,20 +346,3 @@ def _dot64(x: Tensor, y: Tensor, chunk: int = 1 << 16) -> Tensor:
     for start in range(0, flat_x.numel(), chunk):
         total += torch.dot(flat_x[start : start + chunk].double(), flat_y[start : start + chunk].double())
     return total
-
-
-def _finite(values: Tensor) -> Tensor:
-    # Non-finite only when a gradient or an update was: such a contribution measures nothing.
-    return values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _importance_problem(value: object, n: int) -> str:
-    """What is wrong with a saved importance vector of ``n`` entries, or "" when nothing is."""
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        return repr(value)
-    if len(value) != n:
-        return f"{len(value)} entries"
-    for k, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return f"{v!r} at index {k}"
-    return ""

@@ -213,7 +213,11 @@ class FitSession:
         return list(self.latest)
 
     def _fold_importance(self, trainer: L.Trainer) -> None:
-        """Move what the evaluator measured since its last reset into `latest`, as importance per step."""
+        """Move what the evaluator measured since its last reset into `latest`, as importance per step.
+
+        Per step is the evaluator's trimmed mean over the window's steps, so that one outlier step does not decide
+        a selection; a tensor the window did not measure (frozen, or only non-finite steps) keeps its last value.
+        """
         counts, dropped = self.evaluator.counts, self.evaluator.nonfinite
         if any(dropped):
             self.totals["nonfinite_steps"] += sum(dropped)
@@ -228,10 +232,10 @@ class FitSession:
                 )
         if any(counts):
             device = self.params[0].device
-            sums = trainer.strategy.reduce(self.evaluator.importance.to(device), reduce_op="mean").double().cpu()
-            for k, (total, count) in enumerate(zip(sums.tolist(), counts, strict=True)):
+            per_step = trainer.strategy.reduce(self.evaluator.per_step.to(device), reduce_op="mean").double().cpu()
+            for k, (value, count) in enumerate(zip(per_step.tolist(), counts, strict=True)):
                 if count:
-                    self.latest[k] = total / count
+                    self.latest[k] = value
         self.evaluator.reset()
 
     def probe_figures(self, trainer: L.Trainer) -> tuple[float, float]:

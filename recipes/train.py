@@ -7,7 +7,7 @@
 
 Composes `conf/train.yaml` with the groups and overrides given, checks the whole config up front (one message
 listing every problem), fits, tests, and prints: test accuracy, wall time, the fit's speedup against training every
-tensor (the callback itself logs the whole comparison, `reporting.FitSummary`, as the fit ends: it is not repeated),
+tensor (the callback itself logs the whole comparison, `summary.FitSummary`, as the fit ends: it is not repeated),
 an energy estimate (wall time x the device config's power figure) and where the TensorBoard logs are. The summary is
 also written to `summary.json` in the run's output folder, and the selection map to `selection_map.png`; Lightning's
 noise is kept off the console.
@@ -29,7 +29,7 @@ from PIL import Image
 
 from elastic_zoo.recipe import Parts, build, exit_on_config_error, quiet_console, seed_everything, set_threads
 from lightning_elastic import ElasticTensorSelection
-from lightning_elastic.reporting import FitSummary
+from lightning_elastic.summary import FitSummary
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

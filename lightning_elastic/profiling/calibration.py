@@ -1,10 +1,11 @@
-"""Calibrating the hook-derived costs against plain, hook-free timings."""
+"""Calibrating the hook-derived costs against plain, hook-free timings, and taking those timings."""
 
 from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 from lightning_elastic.time_model import StepTimeModel, segment_costs, suffix_costs
 
@@ -17,6 +18,48 @@ def noise_of(seconds: Sequence[float]) -> float:
     """How far the median of repeated timings lies above the fastest: other work on the device only adds time."""
     fastest = min(seconds)
     return statistics.median(seconds) / fastest - 1.0 if fastest > 0 else 0.0
+
+
+def suffix_times(
+    plain: Callable[[list[bool]], tuple[float, float]],
+    n: int,
+    order: Sequence[int],
+    knots: Sequence[int],
+    repeats: int,
+) -> tuple[float, list[float]]:
+    """Plain forward time with nothing selected, and step times with tensors ``d..n-1`` selected for each knot.
+
+    ``plain(mask)`` times one hook-free step with ``mask`` (``n`` flags) selected: (forward, forward + backward)
+    seconds; ``order`` lists the tensors the step uses (indices of the mask) in forward order. Rounds interleave
+    the selections so that a slow drift of the machine hits them all alike. At least ``repeats`` rounds run, more
+    (up to ``NOISE_ROUNDS * repeats``) while repeated timings disagree.
+    """
+    masks = []
+    for d in knots:
+        mask = [False] * n
+        for c in order[d:]:
+            mask[c] = True
+        masks.append(mask)
+    nothing = [False] * n
+    # The forward pass with nothing selected, timed before the first round and after every round, is the
+    # witness of a quiet machine: one round is enough when it brackets the round at the same time.
+    empty = [plain(nothing)[0]]
+    steps: list[list[float]] = [[] for _ in knots]
+    for rounds in range(1, NOISE_ROUNDS * repeats + 1):
+        for mask, column in zip(masks, steps, strict=True):
+            column.append(plain(mask)[1])
+        empty.append(plain(nothing)[0])
+        noise = max(noise_of(column) for column in (empty, *steps))
+        if rounds >= repeats and noise <= NOISE_LIMIT:
+            break
+    if noise > NOISE_LIMIT:
+        warnings.warn(
+            f"Profiling: repeated timings of the same step differ too much (median {noise:.0%} above the fastest, "
+            f"after {rounds} rounds): something else is using this device, and the time model may be off. "
+            "Profile on a quiet machine, or give more `repeats`.",
+            stacklevel=4,
+        )
+    return statistics.median(empty), [statistics.median(column) for column in steps]
 
 
 def calibration_knots(t_dw: Sequence[float], t_dy: Sequence[float], segments: int) -> list[int]:

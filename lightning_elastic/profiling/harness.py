@@ -7,6 +7,7 @@ describes the training step, else one measured on that step (or read from the ca
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,7 @@ from lightning_elastic.profiling.profile import (
     mismatch,
     resolve_cache_dir,
 )
-from lightning_elastic.profiling.runner import fingerprint, profile
+from lightning_elastic.profiling.runner import Progress, fingerprint, profile
 
 __all__ = ["current_profile", "measure_profile", "stale_reason"]
 
@@ -74,10 +75,21 @@ def measure_profile(
 ) -> TimingProfile:
     """Profile the real training step on the first training batch (or read it from the cache)."""
     with _training_step(trainer, pl_module) as compute_loss:
-        profiled = profile(pl_module, compute_loss, method=method, cache_dir=cache_dir)
+        profiled = profile(pl_module, compute_loss, method=method, cache_dir=cache_dir, progress=_phase_lines())
     if trainer.world_size == 1:
         return profiled
     return TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))  # the same on every rank
+
+
+def _phase_lines(clock: Callable[[], float] = time.perf_counter) -> Progress:
+    """One rank-zero line as each profiling phase starts, with the seconds spent so far: a large model's profile
+    takes minutes, and says where it is."""
+    start = clock()
+
+    def announce(k: int, n: int, what: str) -> None:
+        rank_zero_info(f"ElasticTensorSelection: profiling, phase {k} of {n}: {what} ({clock() - start:.1f} s so far)")
+
+    return announce
 
 
 def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile) -> str | None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,21 +14,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling.attribution import Structure
-from lightning_elastic.profiling.calibration import (
-    NOISE_LIMIT,
-    NOISE_ROUNDS,
-    SEGMENTS,
-    calibrate,
-    calibration_knots,
-    noise_of,
-)
+from lightning_elastic.profiling.calibration import SEGMENTS, calibrate, calibration_knots, suffix_times
 from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
 from lightning_elastic.profiling.graph import ACCUMULATE_GRAD, InputLeaves, Node, OpGraph, OpRecorder, Pass, walk
 from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, cache_key, device_name, load_cached, store
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
 from lightning_elastic.timing import DeviceClock
 
-__all__ = ["fingerprint", "profile"]
+__all__ = ["Progress", "fingerprint", "profile"]
+
+Progress = Callable[[int, int, str], None]  # phase k of n starts, doing `what`
+PHASES = 3
 
 def profile(
     model: nn.Module,
@@ -41,6 +35,7 @@ def profile(
     warmup: int = 0,
     repeats: int = 1,
     clock: Callable[[], float] | None = None,
+    progress: Progress | None = None,
 ) -> TimingProfile:
     """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
 
@@ -69,6 +64,8 @@ def profile(
             with the defaults (the time model's accuracy is checked in docs/time_model.md); ``warmup=1,
             repeats=3`` was the earlier default, about 20.
         clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
+        progress: called as each phase starts with ``(k, n, what)``: phase ``k`` of ``n`` (1: the fingerprint,
+            which a cached profile ends with; 2: the instrumented or op-counting passes; 3: the plain timings).
 
     Returns:
         The `TimingProfile`.
@@ -94,6 +91,8 @@ def profile(
             raise ValueError(f"`{arg}` must be an int >= {low}. Found: {value!r}")
     with _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
+        runner.progress = progress or runner.progress
+        runner.progress(1, PHASES, "the step's fingerprint (one forward and backward pass)")
         fingerprint = runner.fingerprint(method)
         path = None if cache_dir is None else Path(cache_dir) / f"timing-{fingerprint[:24]}.json"
         cached = None if path is None else load_cached(path, fingerprint)
@@ -181,6 +180,7 @@ class Runner:
         self.device = self.params[0].device
         self.clock = clock
         self.leaves = InputLeaves(model)
+        self.progress: Progress = lambda k, n, what: None
 
     # -- passes ------------------------------------------------------------------------------------
 
@@ -297,6 +297,8 @@ class Runner:
 
     def run(self, method: TimingMethod, warmup: int, repeats: int) -> Result:
         n = len(self.params)
+        passes = "one pass counting each op's work" if method == "flops" else f"{3 * repeats} instrumented passes"
+        self.progress(2, PHASES, f"{warmup} plain warm-up step(s), then {passes}" if warmup else passes)
         for _ in range(warmup):
             self.plain([True] * n)
         if method == "flops":
@@ -320,42 +322,10 @@ class Runner:
         structure = Structure(full_passes[0], self.params)
         t_dw, t_dy, t_tail = structure.costs(full_passes, dx_passes, none_passes).model()
         knots = calibration_knots(t_dw, t_dy, SEGMENTS)
-        t_fw, times = self._suffix_times(structure.order, knots, repeats)
+        self.progress(3, PHASES, f"plain timings of {len(knots)} selections, {repeats} or more rounds (calibration)")
+        t_fw, times = suffix_times(self.plain, len(self.params), structure.order, knots, repeats)
         t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
         return Result(structure.order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
-
-    def _suffix_times(self, order: list[int], knots: list[int], repeats: int) -> tuple[float, list[float]]:
-        """Plain forward time with nothing selected, and step times with tensors ``d..n-1`` selected.
-
-        Rounds interleave the selections so that a slow drift of the machine hits them all alike. At least
-        ``repeats`` rounds run, more (up to ``NOISE_ROUNDS * repeats``) while repeated timings disagree.
-        """
-        masks = []
-        for d in knots:
-            mask = [False] * len(self.params)
-            for c in order[d:]:
-                mask[c] = True
-            masks.append(mask)
-        nothing = [False] * len(self.params)
-        # The forward pass with nothing selected, timed before the first round and after every round, is the
-        # witness of a quiet machine: one round is enough when it brackets the round at the same time.
-        empty = [self.plain(nothing)[0]]
-        steps: list[list[float]] = [[] for _ in knots]
-        for rounds in range(1, NOISE_ROUNDS * repeats + 1):
-            for mask, column in zip(masks, steps, strict=True):
-                column.append(self.plain(mask)[1])
-            empty.append(self.plain(nothing)[0])
-            noise = max(noise_of(column) for column in (empty, *steps))
-            if rounds >= repeats and noise <= NOISE_LIMIT:
-                break
-        if noise > NOISE_LIMIT:
-            warnings.warn(
-                f"Profiling: repeated timings of the same step differ too much (median {noise:.0%} above the fastest, "
-                f"after {rounds} rounds): something else is using this device, and the time model may be off. "
-                "Profile on a quiet machine, or give more `repeats`.",
-                stacklevel=4,
-            )
-        return statistics.median(empty), [statistics.median(column) for column in steps]
 
     def _run_flops(self, repeats: int) -> Result:
         n = len(self.params)
@@ -383,7 +353,8 @@ class Runner:
         structure = Structure(record, self.params)
         del loss
         # A full step bracketed by plain forwards, re-timed while the machine is disturbed (as calibration does).
-        t_fw, (t_full,) = self._suffix_times(structure.order, [0], repeats)
+        self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
+        t_fw, (t_full,) = suffix_times(self.plain, len(self.params), structure.order, [0], repeats)
         raw = structure.flop_costs(record)
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
         scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)

@@ -171,6 +171,41 @@ def test_epochs_too_short_for_the_windows_waste_no_selection(probe_steps: int | 
         assert len(trained) >= least, (record.step, probes)
 
 
+class NonFiniteFirstLayer(TinyNet):
+    """From optimizer step 2 on, the first layer's weight gradient is NaN when the callback reads it and zero when
+    the optimizer applies it (as an AMP step skipped on overflow leaves the weights): its importance is not finite,
+    the model stays finite. `nonfinite_steps` counts the steps that measured it so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nonfinite_steps = 0
+
+    def on_after_backward(self) -> None:
+        grad = self.net[0].weight.grad
+        if self.trainer.global_step >= 2 and grad is not None:
+            grad.fill_(math.nan)
+            self.nonfinite_steps += 1
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:  # after the callback's hook
+        grad = self.net[0].weight.grad
+        if grad is not None and not grad.isfinite().all():
+            grad.zero_()
+
+
+def test_non_finite_importance_is_counted_warned_once_and_the_last_finite_value_kept() -> None:
+    torch.manual_seed(0)
+    module = NonFiniteFirstLayer()
+    callback = elastic(interval=4, interval_unit="step")
+    with pytest.warns(UserWarning, match=r"the importance of \['net.0.weight'\] was not finite") as caught:
+        tiny_trainer(callbacks=[callback], max_steps=16).fit(module, tiny_data())
+    assert sum("was not finite" in str(w.message) for w in caught) == 1  # every window from the first on had some
+    first, *later = [record.decision.importance for record in callback.history]
+    assert len(later) == 2  # three selections in 16 steps
+    assert [importance[0] for importance in later] == [first[0], first[0]]  # its last finite value, kept
+    assert all(importance[1:] != first[1:] for importance in later)  # the other tensors measured afresh
+    assert callback.report().nonfinite_steps == module.nonfinite_steps >= 2
+
+
 def test_stochastic_weight_averaging_gets_the_users_model_back() -> None:
     """SWA copies the model before training and averages it from epoch 2: its copy and the model it leaves keep
     the user's flags (net.0.weight frozen by the user), every BatchNorm trains, and selections go on as usual."""

@@ -14,6 +14,7 @@ from scipy.stats import spearmanr
 from torch import Tensor, nn
 
 from lightning_elastic.importance import Gradient, ImportanceEvaluator, true_loss_drop
+from lightning_elastic.importance_window import ImportanceWindow
 
 Batch = tuple[Tensor, Tensor]
 # Per step: the gradients the step consumed, the weights before and after it.
@@ -511,3 +512,62 @@ def test_the_default_evaluator_holds_no_copy_of_the_weights() -> None:
             evaluator.after_step()
         optimizer.zero_grad(set_to_none=False)
         assert mode.numel == largest, gradient
+
+
+def scalar_steps(grads: dict[str, list[float]]) -> ImportanceEvaluator:
+    """Plain SGD with lr 1 on scalar tensors given their gradients: each step contributes exactly ``g ** 2``."""
+    params = {name: torch.zeros(1, dtype=torch.float64, requires_grad=True) for name in grads}
+    optimizer = torch.optim.SGD(params.values(), lr=1.0)
+    evaluator = ImportanceEvaluator(list(params.values()))
+    for step in range(len(next(iter(grads.values())))):
+        for name, param in params.items():
+            param.grad = torch.tensor([grads[name][step]], dtype=torch.float64)
+        evaluator.before_step()
+        optimizer.step()
+        evaluator.after_step()
+    return evaluator
+
+
+def test_one_outlier_step_does_not_dominate_the_window() -> None:
+    """`steady` contributes 4 at each of five steps, `spiky` 1 at four and 100 at one: a plain mean (the window's
+    sum over its count, 24 against 4) ranks `spiky` first on the strength of that one step; the trimmed mean drops
+    the largest and the smallest of five values and ranks them by their ordinary steps, 4 against 1."""
+    evaluator = scalar_steps({"steady": [2.0] * 5, "spiky": [1.0, 1.0, 10.0, 1.0, 1.0]})
+    evaluator.finish()
+    plain = [total / count for total, count in zip(evaluator.importance.tolist(), evaluator.counts, strict=True)]
+    assert plain == [4.0, 20.8]  # the plain mean would train `spiky` first
+    assert evaluator.per_step.tolist() == [4.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([5.0], 5.0),
+        ([1.0, 9.0], 5.0),  # two values: no outlier can be told apart, the mean
+        ([1.0, 2.0, 90.0], 2.0),  # three: the median
+        ([3.0, -50.0, 1.0, 2.0], 1.5),  # four: the two middle values
+        ([float(v) for v in range(1, 20)] + [1000.0], 10.5),  # twenty: two dropped at each end
+    ],
+)
+def test_the_trimmed_mean_against_hand_computed_values(values: list[float], expected: float) -> None:
+    window = ImportanceWindow(1)
+    for step, value in enumerate(values):  # a negative contribution: a step that raised the loss
+        window.add((step, [0], torch.tensor([value], dtype=torch.float64)))
+        window.close_step([0])
+    assert window.per_step().tolist() == [expected]
+
+
+def test_the_per_step_values_survive_a_checkpoint_and_old_checkpoints_still_load() -> None:
+    evaluator = scalar_steps({"a": [1.0, 1.0, 10.0], "b": [2.0, 2.0, 2.0]})
+    state = json.loads(json.dumps(evaluator.state_dict()))
+    assert state["per_step"] == [[1.0, 4.0], [1.0, 4.0], [100.0, 4.0]]
+    restored = ImportanceEvaluator([torch.zeros(1), torch.zeros(1)])
+    restored.load_state_dict(state)
+    assert restored.per_step.tolist() == evaluator.per_step.tolist() == [1.0, 4.0]
+    assert restored.importance.tolist() == evaluator.importance.tolist() == [102.0, 12.0]
+    # A checkpoint of sums alone (before per-step values were kept): each tensor's mean, repeated over its steps.
+    old = ImportanceEvaluator([torch.zeros(1), torch.zeros(1)])
+    old.load_state_dict({"importance": [102.0, 12.0], "steps": 3, "counts": [3, 2]})
+    assert old.per_step.tolist() == [34.0, 6.0] and old.importance.tolist() == [102.0, 12.0]
+    with pytest.raises(ValueError, match=r"`state\['per_step'\]` must be a list of rows of 2 numbers or None. Found: "):
+        old.load_state_dict({**state, "per_step": [[1.0]]})

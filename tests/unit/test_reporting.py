@@ -9,8 +9,6 @@ from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
 from lightning_elastic.reporting import (
-    FitSummary,
-    fit_summary,
     interval_metrics,
     progress_metrics,
     selection_metrics,
@@ -20,6 +18,7 @@ from lightning_elastic.reporting import (
     write_selection,
 )
 from lightning_elastic.schedule import Schedule
+from lightning_elastic.summary import FitSummary, fit_summary
 from lightning_elastic.time_model import StepTimeModel
 
 NAMES = ("stem.weight", "block.weight", "head.weight")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -22,6 +23,7 @@ from elastic_zoo.baselines import (
     layers_from_input,
     train_only,
 )
+from elastic_zoo.method import StaticLastK
 from elastic_zoo.models import efficientnet_lite0, tiny_cnn
 from elastic_zoo.module import ImageClassifier
 from lightning_elastic.profiling import TimingProfile
@@ -94,8 +96,23 @@ def test_last_k_keeps_a_head_that_is_not_at_the_end() -> None:
     with pytest.raises(ValueError, match=r"`speedup` must be at most 1.50 .* takes 67% of a full step. Found: 2"):
         last_k_within_budget(prof, 2.0, ["a"])
     assert last_k_within_budget(prof, 1.5, ["a"]) == ["a"]
-    with pytest.raises(ValueError, match=r"`speedup` must be a number > 1. Found: 1"):
+    with pytest.raises(ValueError, match=r"`speedup` must be a finite number > 1. Found: 1"):
         last_k_within_budget(prof, 1)
+
+
+def test_the_largest_static_speedup_is_rounded_down_and_an_infinite_one_refused() -> None:
+    prof = TimingProfile(
+        names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=70.0, t_full=75.0,
+        device="cpu", fingerprint="f", unused=(), method="measured", numel=(1, 1, 1),
+    )  # fmt: skip
+    # full 75, the cheapest step ({c}) 71: at most 75 / 71 = 1.0563..., which `:.2f` would show as 1.06
+    with pytest.raises(ValueError, match=r"`speedup` must be at most 1.05 for a static selection .* Found: 1.06"):
+        last_k_within_budget(prof, 1.06)
+    assert last_k_within_budget(prof, 1.05) == ["c"]
+    with pytest.raises(ValueError, match=r"^`speedup` must be a finite number > 1. Found: inf$"):
+        last_k_within_budget(prof, math.inf)
+    with pytest.raises(ValueError, match=r"^`static_speedup` must be a finite number > 1. Found: inf$"):
+        StaticLastK("*", math.inf, "measured", "cpu")
 
 
 def test_train_only_sets_requires_grad_and_drops_frozen_gradients() -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
-from lightning_elastic.profiling.calibration import calibrate, calibration_knots
+from lightning_elastic.profiling.calibration import calibrate, calibration_knots, suffix_times
 
 
 def test_knots_cut_equal_segments_and_span_the_model() -> None:
@@ -36,3 +37,32 @@ def test_calibrate_reproduces_suffix_times_and_keeps_the_form() -> None:
     assert tail == pytest.approx(t_tail + 0.2)
     assert dw == pytest.approx(truth_dw)
     assert dy == pytest.approx(truth_dy)
+
+
+def fake_plain(seconds: list[float]) -> tuple[list[list[bool]], Callable[[list[bool]], tuple[float, float]]]:
+    """A plain step that takes 1 s per selected tensor plus a forward of 1 s; the forward's time comes from
+    `seconds` in turn (the witness of a quiet machine). Returns the masks timed, in order, and the step."""
+    timed: list[list[bool]] = []
+    witness = iter(seconds)
+
+    def plain(mask: list[bool]) -> tuple[float, float]:
+        timed.append(list(mask))
+        forward = next(witness) if not any(mask) else 1.0
+        return forward, forward + sum(mask)
+
+    return timed, plain
+
+
+def test_suffix_times_times_each_suffix_of_the_forward_order() -> None:
+    timed, plain = fake_plain([1.0] * 10)
+    # tensor 3 is unused (not in the order); the forward order is 2, 0, 1
+    t_fw, times = suffix_times(plain, 4, [2, 0, 1], [0, 2], repeats=1)
+    assert (t_fw, times) == (1.0, [4.0, 2.0])
+    assert timed == [[False] * 4, [True, True, True, False], [False, True, False, False], [False] * 4]
+
+
+def test_suffix_times_adds_rounds_while_the_machine_is_disturbed_then_warns() -> None:
+    timed, plain = fake_plain([1.0] + [2.0] * 6)  # the witness stays far above its fastest
+    with pytest.warns(UserWarning, match=r"repeated timings of the same step differ too much .* after 6 rounds"):
+        t_fw, _ = suffix_times(plain, 2, [0, 1], [0], repeats=2)
+    assert len(timed) == 1 + 6 * 2 and t_fw == 2.0  # NOISE_ROUNDS * repeats rounds, each a step and a witness

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
+import re
 import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
+from lightning_elastic.profiling.harness import _phase_lines
 from tests.unit.profiling.fakes import FakeClock, FakeLayer, FakeResidual, simulated_step, small
 
 
@@ -282,3 +286,44 @@ def test_model_without_trainable_parameters_and_bad_arguments() -> None:
         profile("net", loss_fn)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`compute_loss` must be callable"):
         profile(nn.Linear(2, 2), 3)  # type: ignore[arg-type]
+
+
+def test_each_phase_is_announced_once_and_a_cached_profile_ends_after_the_fingerprint(tmp_path: Path) -> None:
+    clock = FakeClock()
+    net = nn.Sequential(*[FakeLayer(clock, (1.0, 2.0, 3.0)) for _ in range(4)])
+    x = torch.randn(2, 3)
+    phases: list[tuple[int, int, str]] = []
+
+    def record(k: int, n: int, what: str) -> None:
+        phases.append((k, n, what))
+
+    profile(net, lambda: net(x).sum(), clock=clock, repeats=2, cache_dir=tmp_path, progress=record)
+    assert phases[:2] == [
+        (1, 3, "the step's fingerprint (one forward and backward pass)"),
+        (2, 3, "6 instrumented passes"),
+    ]
+    assert len(phases) == 3 and re.fullmatch(
+        r"plain timings of \d selections, 2 or more rounds \(calibration\)", phases[2][2]
+    )
+    phases.clear()
+    profile(net, lambda: net(x).sum(), clock=clock, repeats=2, cache_dir=tmp_path, progress=record)
+    assert phases == [(1, 3, "the step's fingerprint (one forward and backward pass)")]
+    phases.clear()
+    profile(net, lambda: net(x).sum(), method="flops", clock=clock, warmup=1, progress=record)
+    assert [what for _, _, what in phases[1:]] == [
+        "1 plain warm-up step(s), then one pass counting each op's work",
+        "plain timings of a full step, 1 or more rounds",
+    ]
+
+
+def test_the_fit_prints_one_line_per_profiling_phase(caplog: pytest.LogCaptureFixture) -> None:
+    seconds = iter([10.0, 10.5, 14.0])
+    announce = _phase_lines(clock=lambda: next(seconds))
+    with caplog.at_level(logging.INFO):
+        announce(1, 3, "the step's fingerprint (one forward and backward pass)")
+        announce(2, 3, "6 instrumented passes")
+    assert [r.getMessage() for r in caplog.records] == [
+        "ElasticTensorSelection: profiling, phase 1 of 3: the step's fingerprint (one forward and backward pass) "
+        "(0.5 s so far)",
+        "ElasticTensorSelection: profiling, phase 2 of 3: 6 instrumented passes (4.0 s so far)",
+    ]

@@ -1,0 +1,190 @@
+"""The fit's summary: its speedup against training every tensor, where the callback's time went, what was trained.
+
+`fit_summary` builds a `FitSummary` from the fit's typed records (`records.SelectionRecord`), its plan
+(`planner.WallClockPlan`) and the callback's own seconds; `shortfall` says why an asked speedup was not met.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.records import SelectionRecord
+
+# The asked speedup counts as met within this share (the plan's own tolerance for noise in measured steps).
+MET_WITHIN = 0.03
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    """A fit against what the user would otherwise do (train every tensor), and where the callback's time went.
+
+    Attributes:
+        target_speedup: the `speedup` asked.
+        selections: how many selections the fit made.
+        steps: optimizer steps the contract counted.
+        probe_steps: of them, steps in probe windows (every tensor trained).
+        selected_fraction: tensors trained at the last selection, as a share of all tensors.
+        selected_elements_fraction: their parameter elements, as a share of all elements.
+        full_step_seconds: a full training step (measured in probe windows; the profile's estimate before).
+        selected_step_seconds: the mean measured step under a selection.
+        measured_speedup: per step: `full_step_seconds / selected_step_seconds`.
+        fit_speedup: the whole training part: `full_fit_seconds / spent_seconds`.
+        planned_seconds: what the contract allowed for the steps done.
+        spent_seconds: what they took, the callback's own work included.
+        full_fit_seconds: the estimate of full fine-tuning: the steps done at `full_step_seconds` each.
+        profile_seconds: profiling, this fit (0 when the profile came from the cache).
+        probe_seconds: the probe windows' steps.
+        select_seconds: choosing the selections.
+        apply_seconds: applying them (flags, BatchNorm, compiled graphs).
+        warmup_seconds: the first step of every new trainable set (a recompile under torch.compile), charged to the
+            fit but kept out of the step times the plan learns from.
+        compiled_graphs: graphs torch.compile compiled during the fit.
+        nonfinite_steps: tensor steps whose importance was NaN or inf, left out.
+        most_trained: the tensors most often trained, with how many selections trained them.
+        shortfall: why the asked speedup was not met and what to change; empty when it was (or is not known).
+    """
+
+    target_speedup: float
+    selections: int
+    steps: int
+    probe_steps: int
+    selected_fraction: float
+    selected_elements_fraction: float
+    full_step_seconds: float
+    selected_step_seconds: float
+    measured_speedup: float
+    fit_speedup: float
+    planned_seconds: float
+    spent_seconds: float
+    full_fit_seconds: float
+    profile_seconds: float
+    probe_seconds: float
+    select_seconds: float
+    apply_seconds: float
+    warmup_seconds: float
+    compiled_graphs: int
+    nonfinite_steps: int
+    most_trained: tuple[tuple[str, int], ...]
+    shortfall: str
+
+    def figures(self) -> dict[str, float]:
+        """The figures as one flat dict of numbers (what `ElasticTensorSelection.summary()` returns)."""
+        return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float))}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return asdict(self)
+
+    def headline(self) -> str:
+        """The fit's speedup against the one asked, e.g. "1.93x (asked 2x, met)"."""
+        verdict = "met" if not self.shortfall else "NOT met"
+        return f"{self.fit_speedup:.2f}x (asked {self.target_speedup:g}x, {verdict})"
+
+    def table(self) -> str:
+        """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""
+        overhead = self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
+        share = overhead / self.spent_seconds if self.spent_seconds > 0 else math.nan
+        trained = ", ".join(f"{name} ({n}/{self.selections})" for name, n in self.most_trained) or "none"
+        lines = [
+            f"  fit speedup        {self.headline()}: "
+            f"{self.spent_seconds:.1f} s spent against {self.full_fit_seconds:.1f} s estimated for training every "
+            f"tensor ({self.steps} steps x {self.full_step_seconds * 1e3:.1f} ms); "
+            f"{self.planned_seconds:.1f} s planned",
+            f"  per-step speedup   {self.measured_speedup:.2f}x: a selected step "
+            f"{self.selected_step_seconds * 1e3:.1f} ms against a full step {self.full_step_seconds * 1e3:.1f} ms",
+            f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit): profile {self.profile_seconds:.1f} s, "
+            f"probes {self.probe_seconds:.1f} s ({self.probe_steps} full steps), selections "
+            f"{self.select_seconds + self.apply_seconds:.2f} s ({self.selections})",
+            f"  trained            {self.selected_fraction:.0%} of tensors, {self.selected_elements_fraction:.0%} of "
+            f"parameter elements at the last selection",
+            f"  most often trained {trained}",
+        ]
+        if self.shortfall:
+            lines.append(f"  why not met        {self.shortfall}")
+        return "\n".join(lines)
+
+
+def fit_summary(
+    history: Sequence[SelectionRecord],
+    plan: WallClockPlan | None,
+    totals: Mapping[str, float],
+    names: Sequence[str],
+    numel: Sequence[int],
+    target_speedup: float,
+) -> FitSummary:
+    """The `FitSummary` of a fit from its selection records, its plan and the callback's own seconds."""
+    last = history[-1] if history else None
+    selected = [s for r in history for s in r.measured_seconds]
+    full = plan.full_step if plan is not None else math.nan
+    mean_selected = math.fsum(selected) / len(selected) if selected else math.nan
+    counts = np.sum([r.mask.flags for r in history], axis=0) if history else np.zeros(len(names))
+    top = [k for k in np.argsort(-counts, kind="stable")[:5] if counts[k] > 0]
+    spent = plan.spent if plan is not None else math.nan
+    summary = FitSummary(
+        target_speedup=target_speedup,
+        selections=len(history),
+        steps=plan.steps_done if plan is not None else 0,
+        probe_steps=plan.full_samples if plan is not None else 0,
+        selected_fraction=(last.mask.count(True) / len(last.mask)) if last else math.nan,
+        selected_elements_fraction=last.mask.elements(numel) / max(1, sum(numel)) if last else math.nan,
+        full_step_seconds=full,
+        selected_step_seconds=mean_selected,
+        measured_speedup=full / mean_selected if selected and plan is not None and plan.full_samples else math.nan,
+        fit_speedup=plan.speedup_so_far if plan is not None else math.nan,
+        planned_seconds=plan.planned(plan.steps_done) if plan is not None else math.nan,
+        spent_seconds=spent,
+        full_fit_seconds=plan.steps_done * full if plan is not None else math.nan,
+        profile_seconds=totals.get("profile_seconds", 0.0),
+        probe_seconds=totals.get("probe_seconds", 0.0),
+        select_seconds=totals.get("select_seconds", 0.0),
+        apply_seconds=totals.get("apply_seconds", 0.0),
+        warmup_seconds=totals.get("warmup_seconds", 0.0),
+        compiled_graphs=int(totals.get("compiled_graphs", 0)),
+        nonfinite_steps=int(totals.get("nonfinite_steps", 0)),
+        most_trained=tuple((names[k], int(counts[k])) for k in top),
+        shortfall="",
+    )
+    return replace(summary, shortfall=shortfall(summary, history))
+
+
+def shortfall(summary: FitSummary, history: Sequence[SelectionRecord]) -> str:
+    """Why `summary` misses its asked speedup, and what to change; empty when it meets it (or nothing was timed).
+
+    Example:
+        >>> s = fit_summary([], WallClockPlan(2.0, 100, 1.0, spent=80.0, steps_done=100), {"profile_seconds": 30.0},
+        ...     [], [], target_speedup=2.0)
+        >>> s.fit_speedup, s.shortfall.split(";")[0]
+        (1.25, 'profiling took 30.0 s (38% of the fit): the profile is cached, so the next run on this device skips it')
+    """
+    s = summary
+    if not math.isfinite(s.fit_speedup) or s.fit_speedup >= s.target_speedup * (1 - MET_WITHIN):
+        return ""
+    reasons = []
+    if s.profile_seconds > 0.05 * s.spent_seconds:
+        reasons.append(
+            f"profiling took {s.profile_seconds:.1f} s ({s.profile_seconds / s.spent_seconds:.0%} of the fit): "
+            "the profile is cached, so the next run on this device skips it"
+        )
+    if s.probe_seconds > 0.10 * s.spent_seconds:
+        reasons.append(
+            f"probe windows took {s.probe_seconds / s.spent_seconds:.0%} of the fit: set fewer `probe_steps`, or "
+            "train longer"
+        )
+    if any(r.decision.starved for r in history):
+        reasons.append(
+            "even the cheapest selection took longer than the plan's step target: ask a lower `speedup` or pin "
+            "fewer `train_always` tensors"
+        )
+    late = [r.measured_step / r.decision.predicted_seconds for r in history if r.measured_seconds]
+    if late and max(late) > 1.15:
+        reasons.append(
+            f"selected steps took up to {max(late) - 1:.0%} longer than predicted (costs the profile does not see, "
+            "e.g. data loading): a longer fit gives the correction time to make this up"
+        )
+    return "; ".join(reasons) or "the fit was too short to make up its first steps: train longer or ask less"
