@@ -10,13 +10,29 @@ from lightning_elastic.time_model import StepTimeModel, segment_costs, suffix_co
 
 SEGMENTS = 4  # calibration segments: plain timings of 5 selections, each repeated
 MAX_CORRECTION = 3.0  # hooks never mis-measure a segment by more; larger factors are noise
-NOISE_LIMIT = 0.1  # repeated plain timings whose median is this far above their fastest are disturbed ...
-NOISE_ROUNDS = 3  # ... and get up to this many times `repeats` rounds
+NOISE_LIMIT = 0.1  # repeated timings whose median is this far above their fastest disagree ...
+NOISE_ROUNDS = 3  # ... and rounds run, up to this many times `repeats`, until `repeats` quiet ones agree
+
 
 def noise_of(seconds: Sequence[float]) -> float:
     """How far the median of repeated timings lies above the fastest: other work on the device only adds time."""
     fastest = min(seconds)
     return statistics.median(seconds) / fastest - 1.0 if fastest > 0 else 0.0
+
+
+def quiet_rounds(witnesses: Sequence[float]) -> list[int]:
+    """The rounds of timings that ran on a quiet machine: round ``r`` lies between ``witnesses[r]`` and ``[r + 1]``.
+
+    The fastest witness is the quiet one; a round counts when neither witness around it is more than
+    ``2 * NOISE_LIMIT`` above it (a pair of timings that far apart has its median ``NOISE_LIMIT`` above the faster).
+
+    Example:
+        >>> quiet_rounds([1.0, 1.5, 1.1, 1.0])  # the second witness was disturbed: rounds 0 and 1 do not count
+        [2]
+    """
+    fastest = min(witnesses)
+    limit = (1 + 2 * NOISE_LIMIT) * fastest
+    return [r for r in range(len(witnesses) - 1) if max(witnesses[r], witnesses[r + 1]) <= limit]
 
 
 def calibration_knots(t_dw: Sequence[float], t_dy: Sequence[float], segments: int) -> list[int]:

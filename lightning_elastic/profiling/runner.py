@@ -23,6 +23,7 @@ from lightning_elastic.profiling.calibration import (
     calibrate,
     calibration_knots,
     noise_of,
+    quiet_rounds,
 )
 from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
 from lightning_elastic.profiling.graph import ACCUMULATE_GRAD, InputLeaves, Node, OpGraph, OpRecorder, Pass, walk
@@ -64,10 +65,11 @@ def profile(
         warmup: plain training steps run before any timing, beyond the forward and backward pass that takes the
             fingerprint (which warms up the device too).
         repeats: instrumented passes of each kind, and rounds of plain timings that calibrate them; medians are
-            kept. The plain timings get up to three times as many rounds while repeated timings of one selection
-            disagree (another process using the device). A first profile costs about 6-7 full training steps
-            with the defaults (the time model's accuracy is checked in docs/time_model.md); ``warmup=1,
-            repeats=3`` was the earlier default, about 20.
+            kept. A round counts when the plain forward passes timed around it agree; rounds that do not (another
+            process used the device) are left out and replaced, up to three times as many rounds in all. A first
+            profile costs about 7-8 full training steps with the defaults on a quiet device (breakdown and the time
+            model's accuracy in docs/time_model.md), about 4 more per disturbed round; ``warmup=1, repeats=3`` was
+            the earlier default, about 20.
         clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
 
     Returns:
@@ -327,8 +329,12 @@ class Runner:
     def _suffix_times(self, order: list[int], knots: list[int], repeats: int) -> tuple[float, list[float]]:
         """Plain forward time with nothing selected, and step times with tensors ``d..n-1`` selected.
 
-        Rounds interleave the selections so that a slow drift of the machine hits them all alike. At least
-        ``repeats`` rounds run, more (up to ``NOISE_ROUNDS * repeats``) while repeated timings disagree.
+        Rounds interleave the selections so that a slow drift of the machine hits them all alike. The forward pass
+        with nothing selected, timed before the first round and after every round, is the witness of a quiet
+        machine: a round counts when the witnesses around it are near the fastest one (`quiet_rounds`). Rounds run
+        until ``repeats`` of them count and agree with each other (at most ``NOISE_ROUNDS * repeats``), and only
+        those are kept (the median of each selection over them): a disturbed round costs one more round, not more
+        rounds until every selection's timings agree with its disturbed ones.
         """
         masks = []
         for d in knots:
@@ -337,25 +343,26 @@ class Runner:
                 mask[c] = True
             masks.append(mask)
         nothing = [False] * len(self.params)
-        # The forward pass with nothing selected, timed before the first round and after every round, is the
-        # witness of a quiet machine: one round is enough when it brackets the round at the same time.
         empty = [self.plain(nothing)[0]]
-        steps: list[list[float]] = [[] for _ in knots]
-        for rounds in range(1, NOISE_ROUNDS * repeats + 1):
-            for mask, column in zip(masks, steps, strict=True):
-                column.append(self.plain(mask)[1])
+        rounds: list[list[float]] = []
+        for _ in range(NOISE_ROUNDS * repeats):
+            rounds.append([self.plain(mask)[1] for mask in masks])
             empty.append(self.plain(nothing)[0])
-            noise = max(noise_of(column) for column in (empty, *steps))
-            if rounds >= repeats and noise <= NOISE_LIMIT:
+            quiet = quiet_rounds(empty)
+            columns = list(zip(*(rounds[r] for r in quiet), strict=True))
+            if len(quiet) >= repeats and all(noise_of(column) <= NOISE_LIMIT for column in columns):
                 break
-        if noise > NOISE_LIMIT:
+        else:
             warnings.warn(
-                f"Profiling: repeated timings of the same step differ too much (median {noise:.0%} above the fastest, "
-                f"after {rounds} rounds): something else is using this device, and the time model may be off. "
-                "Profile on a quiet machine, or give more `repeats`.",
+                f"Profiling: repeated timings of the same step differ too much ({len(quiet)} of the rounds between "
+                f"quiet forward passes, after {len(rounds)} rounds): something else is using this device, and the "
+                "time model may be off. Profile on a quiet machine, or give more `repeats`.",
                 stacklevel=4,
             )
-        return statistics.median(empty), [statistics.median(column) for column in steps]
+        kept = quiet or list(range(len(rounds)))
+        witnesses = sorted({w for r in kept for w in (r, r + 1)})
+        steps = [statistics.median(rounds[r][k] for r in kept) for k in range(len(knots))]
+        return statistics.median(empty[w] for w in witnesses), steps
 
     def _run_flops(self, repeats: int) -> Result:
         n = len(self.params)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lightning_elastic.profiling.calibration import calibrate, calibration_knots
+from lightning_elastic.profiling.calibration import calibrate, calibration_knots, quiet_rounds
 
 
 def test_knots_cut_equal_segments_and_span_the_model() -> None:
@@ -36,3 +36,10 @@ def test_calibrate_reproduces_suffix_times_and_keeps_the_form() -> None:
     assert tail == pytest.approx(t_tail + 0.2)
     assert dw == pytest.approx(truth_dw)
     assert dy == pytest.approx(truth_dy)
+
+
+def test_quiet_rounds_need_both_witnesses_near_the_fastest() -> None:
+    assert quiet_rounds([1.0, 1.19]) == [0]
+    assert quiet_rounds([1.0, 1.21]) == []
+    assert quiet_rounds([1.3, 1.0, 1.1, 1.5, 1.05]) == [1]  # a slow witness discounts the rounds on both sides
+    assert quiet_rounds([2.0, 2.0, 1.0, 1.0]) == [2]  # a machine slowed throughout is caught by a faster witness
