@@ -3,9 +3,10 @@
 Runs a short fit of EfficientNet-Lite0 (ImageNet weights) on ELPV in a fresh process, with `ElasticTensorSelection`
 profiling on the first batch (no cache: a first run on the machine), and times every phase of profiling by wrapping
 the profiler's functions: the first batch, the snapshot of the model, the fingerprint's pass, each instrumented pass,
-attribution, the plain timings of calibration (each pass), the cache write, and what is left. The first training
-steps of the fit after it, and of the same fit without the callback (``--baseline``), give the full step that the
-figures are divided by.
+attribution, the plain timings of calibration (each pass), the cache, garbage collection (inside the others), and
+the whole on the callback's clock. Figures are in seconds and in full steps (the profile's plain forward + full
+backward). The training steps that follow are timed too; ``--baseline`` times the same fit without the callback,
+whose first step carries the process's warm-up.
 
 Run (the figures in docs/time_model.md; each run is a fresh process, as a first fit is)::
 
