@@ -11,13 +11,29 @@ from lightning_elastic.time_model import StepTimeModel, segment_costs, suffix_co
 
 SEGMENTS = 4  # calibration segments: plain timings of 5 selections, each repeated
 MAX_CORRECTION = 3.0  # hooks never mis-measure a segment by more; larger factors are noise
-NOISE_LIMIT = 0.1  # repeated plain timings whose median is this far above their fastest are disturbed ...
-NOISE_ROUNDS = 3  # ... and get up to this many times `repeats` rounds
+NOISE_LIMIT = 0.1  # repeated timings whose median is this far above their fastest disagree ...
+NOISE_ROUNDS = 3  # ... and rounds run, up to this many times `repeats`, until `repeats` quiet ones agree
+
 
 def noise_of(seconds: Sequence[float]) -> float:
     """How far the median of repeated timings lies above the fastest: other work on the device only adds time."""
     fastest = min(seconds)
     return statistics.median(seconds) / fastest - 1.0 if fastest > 0 else 0.0
+
+
+def quiet_rounds(witnesses: Sequence[float]) -> list[int]:
+    """The rounds of timings that ran on a quiet machine: round ``r`` lies between ``witnesses[r]`` and ``[r + 1]``.
+
+    The fastest witness is the quiet one; a round counts when neither witness around it is more than
+    ``2 * NOISE_LIMIT`` above it (a pair of timings that far apart has its median ``NOISE_LIMIT`` above the faster).
+
+    Example:
+        >>> quiet_rounds([1.0, 1.5, 1.1, 1.0])  # the second witness was disturbed: rounds 0 and 1 do not count
+        [2]
+    """
+    fastest = min(witnesses)
+    limit = (1 + 2 * NOISE_LIMIT) * fastest
+    return [r for r in range(len(witnesses) - 1) if max(witnesses[r], witnesses[r + 1]) <= limit]
 
 
 def suffix_times(
@@ -31,8 +47,12 @@ def suffix_times(
 
     ``plain(mask)`` times one hook-free step with ``mask`` (``n`` flags) selected: (forward, forward + backward)
     seconds; ``order`` lists the tensors the step uses (indices of the mask) in forward order. Rounds interleave
-    the selections so that a slow drift of the machine hits them all alike. At least ``repeats`` rounds run, more
-    (up to ``NOISE_ROUNDS * repeats``) while repeated timings disagree.
+    the selections so that a slow drift of the machine hits them all alike. The forward pass with nothing selected,
+    timed before the first round and after every round, is the witness of a quiet machine: a round counts when the
+    witnesses around it are near the fastest one (`quiet_rounds`). Rounds run until ``repeats`` of them count and
+    agree with each other (at most ``NOISE_ROUNDS * repeats``), and only those are kept (the median of each
+    selection over them): a disturbed round costs one more round, not more rounds until every selection's timings
+    agree with its disturbed ones.
     """
     masks = []
     for d in knots:
@@ -41,25 +61,27 @@ def suffix_times(
             mask[c] = True
         masks.append(mask)
     nothing = [False] * n
-    # The forward pass with nothing selected, timed before the first round and after every round, is the
-    # witness of a quiet machine: one round is enough when it brackets the round at the same time.
     empty = [plain(nothing)[0]]
-    steps: list[list[float]] = [[] for _ in knots]
-    for rounds in range(1, NOISE_ROUNDS * repeats + 1):
-        for mask, column in zip(masks, steps, strict=True):
-            column.append(plain(mask)[1])
+    rounds: list[list[float]] = []
+    quiet: list[int] = []
+    for _ in range(NOISE_ROUNDS * repeats):
+        rounds.append([plain(mask)[1] for mask in masks])
         empty.append(plain(nothing)[0])
-        noise = max(noise_of(column) for column in (empty, *steps))
-        if rounds >= repeats and noise <= NOISE_LIMIT:
+        quiet = quiet_rounds(empty)
+        columns = list(zip(*(rounds[r] for r in quiet), strict=True))
+        if len(quiet) >= repeats and all(noise_of(column) <= NOISE_LIMIT for column in columns):
             break
-    if noise > NOISE_LIMIT:
+    else:
         warnings.warn(
-            f"Profiling: repeated timings of the same step differ too much (median {noise:.0%} above the fastest, "
-            f"after {rounds} rounds): something else is using this device, and the time model may be off. "
-            "Profile on a quiet machine, or give more `repeats`.",
+            f"Profiling: repeated timings of the same step differ too much ({len(quiet)} of the rounds between "
+            f"quiet forward passes, after {len(rounds)} rounds): something else is using this device, and the "
+            "time model may be off. Profile on a quiet machine, or give more `repeats`.",
             stacklevel=4,
         )
-    return statistics.median(empty), [statistics.median(column) for column in steps]
+    kept = quiet or list(range(len(rounds)))
+    witnesses = sorted({w for r in kept for w in (r, r + 1)})
+    steps = [statistics.median(rounds[r][k] for r in kept) for k in range(len(knots))]
+    return statistics.median(empty[w] for w in witnesses), steps
 
 
 def calibration_knots(t_dw: Sequence[float], t_dy: Sequence[float], segments: int) -> list[int]:
@@ -109,4 +131,3 @@ def calibrate(
         dw[lo:hi] = [v * factor for v in dw[lo:hi]]
         dy[lo + 1 : hi + 1] = [v * factor for v in dy[lo + 1 : hi + 1]]
     return dw, dy, tail
-

@@ -59,10 +59,11 @@ def profile(
         warmup: plain training steps run before any timing, beyond the forward and backward pass that takes the
             fingerprint (which warms up the device too).
         repeats: instrumented passes of each kind, and rounds of plain timings that calibrate them; medians are
-            kept. The plain timings get up to three times as many rounds while repeated timings of one selection
-            disagree (another process using the device). A first profile costs about 6-7 full training steps
-            with the defaults (the time model's accuracy is checked in docs/time_model.md); ``warmup=1,
-            repeats=3`` was the earlier default, about 20.
+            kept. A round counts when the plain forward passes timed around it agree; rounds that do not (another
+            process used the device) are left out and replaced, up to three times as many rounds in all. A first
+            profile costs about 7-8 full training steps with the defaults on a quiet device (breakdown and the time
+            model's accuracy in docs/time_model.md), about 4 more per disturbed round; ``warmup=1, repeats=3`` was
+            the earlier default, about 20.
         clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
         progress: called as each phase starts with ``(k, n, what)``: phase ``k`` of ``n`` (1: the fingerprint,
             which a cached profile ends with; 2: the instrumented or op-counting passes; 3: the plain timings).

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_elastic.profiling.calibration import calibrate, calibration_knots, suffix_times
+from lightning_elastic.profiling.calibration import calibrate, calibration_knots, quiet_rounds, suffix_times
 
 
 def test_knots_cut_equal_segments_and_span_the_model() -> None:
@@ -66,3 +66,10 @@ def test_suffix_times_adds_rounds_while_the_machine_is_disturbed_then_warns() ->
     with pytest.warns(UserWarning, match=r"repeated timings of the same step differ too much .* after 6 rounds"):
         t_fw, _ = suffix_times(plain, 2, [0, 1], [0], repeats=2)
     assert len(timed) == 1 + 6 * 2 and t_fw == 2.0  # NOISE_ROUNDS * repeats rounds, each a step and a witness
+
+
+def test_quiet_rounds_need_both_witnesses_near_the_fastest() -> None:
+    assert quiet_rounds([1.0, 1.19]) == [0]
+    assert quiet_rounds([1.0, 1.21]) == []
+    assert quiet_rounds([1.3, 1.0, 1.1, 1.5, 1.05]) == [1]  # a slow witness discounts the rounds on both sides
+    assert quiet_rounds([2.0, 2.0, 1.0, 1.0]) == [2]  # a machine slowed throughout is caught by a faster witness
