@@ -47,7 +47,7 @@ def test_the_text_preset_runs_every_method_on_minilm_and_spam_assassin(tmp_path:
     cfg = compose_config(["benchmark=text"], tmp_path, name="benchmark")
     assert [m.name for m in methods_of(cfg)] == [
         "full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze",
-        "elastic_1.5x", "elastic_2x", "elastic_3x",
+        "elastic_1.5x", "elastic_2x", "elastic_2.5x",
     ]  # fmt: skip
     assert cfg.dataset._target_ == "elastic_zoo.text_data.SpamAssassinDataModule"
     assert cfg.model.net._target_ == "elastic_zoo.bert.bert_classifier" and cfg.model.head == "model.classifier.*"
