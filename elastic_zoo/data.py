@@ -53,30 +53,27 @@ class TensorImages(Dataset[tuple[Tensor, Tensor]]):
         return image, self.labels[index]
 
 
-class ImageDataModule(L.LightningDataModule, ABC):
+class ClassificationData(L.LightningDataModule, ABC):
     """What every data module of the zoo shares: validated loader arguments, seeded splits and loaders.
 
-    Subclasses fill `self._splits` ("train", "val", "test") in `setup()` and may override `missing()` and
-    `_collate()`.
+    Subclasses set `num_classes`, fill `self._splits` ("train", "val", "test") in `setup()` and may override
+    `missing()` and `_collate()`. `problems` are a subclass's own settings found wrong: reported with these.
     """
 
     num_classes: int
 
     def __init__(
         self,
-        image_size: int = 112,
         batch_size: int = 32,
         val_fraction: float = 0.15,
         test_fraction: float = 0.15,
         seed: int = 0,
         num_workers: int = 0,
-        augment: bool = True,
         train_per_class: int | None = None,
+        problems: Sequence[str] = (),
     ) -> None:
         super().__init__()
-        problems = []
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
-            problems.append(f"`image_size` must be an int >= 8. Found: {image_size!r}")
+        problems = list(problems)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             problems.append(f"`batch_size` must be a positive int. Found: {batch_size!r}")
         for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
@@ -90,13 +87,11 @@ class ImageDataModule(L.LightningDataModule, ABC):
             problems.append(f"`train_per_class` must be a positive int or None. Found: {train_per_class!r}")
         if problems:
             raise ValueError("; ".join(problems))
-        self.image_size = image_size
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.seed = seed
         self.num_workers = num_workers
-        self.augment = augment
         self.train_per_class = train_per_class
         self._splits: dict[str, Dataset[Any]] = {}
 
@@ -145,6 +140,18 @@ class ImageDataModule(L.LightningDataModule, ABC):
 
     def test_dataloader(self) -> DataLoader[Any]:
         return self._loader("test", shuffle=False)
+
+
+class ImageDataModule(ClassificationData):
+    """The base of the image data sets: a square `image_size` and random flips of training images (`augment`)."""
+
+    def __init__(self, image_size: int = 112, augment: bool = True, **kwargs: Any) -> None:
+        problems = []
+        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
+            problems.append(f"`image_size` must be an int >= 8. Found: {image_size!r}")
+        super().__init__(problems=problems, **kwargs)
+        self.image_size = image_size
+        self.augment = augment
 
 
 class InMemoryImageData(ImageDataModule):

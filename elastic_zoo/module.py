@@ -1,4 +1,7 @@
-"""A plain image-classification LightningModule: the user's code, which the callback never needs to change."""
+"""A plain classification LightningModule: the user's code, which the callback never needs to change.
+
+Its network maps a batch's inputs to logits: images for the vision models, token ids for `bert.BertClassifier`.
+"""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -31,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from typing_extensions import override
 
-from elastic_zoo.data import ImageDataModule
+from elastic_zoo.data import ClassificationData
 from elastic_zoo.method import Elastic, FineTuningMethod, Full, MethodSetup
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
 
@@ -89,7 +90,7 @@ def exit_on_config_error(run: Callable[[DictConfig], object], cfg: DictConfig) -
 class Parts:
     """Everything a run needs, built from one config."""
 
-    datamodule: ImageDataModule
+    datamodule: ClassificationData
     module: L.LightningModule
     callbacks: list[L.Callback]
     logger: Logger | None
@@ -168,6 +169,15 @@ def check_settings(cfg: DictConfig) -> list[str]:
         allowed = f"exactly {low}" if low == high else f"at least {low}" + (f" and at most {high}" if high else "")
         model = cfg.model.net.get("name") or str(cfg.model.net._target_).rsplit(".", 1)[-1]
         problems.add("dataset", f"`image_size` must be {allowed} for {model}. Found: {size}")
+    text_model, text_data = "tokenizer" in cfg.model and cfg.model.tokenizer is not None, "tokenizer" in cfg.dataset
+    if text_model != text_data:
+        reads, holds = ("texts", "images") if text_model else ("images", "texts")
+        problems.add(
+            "dataset",
+            f"the model reads {reads} but the data set holds {holds}: pair a text model (model=minilm) with a text "
+            f"data set (dataset=spam_assassin), an image model with an image data set. Found: "
+            f"model={chosen_option(cfg, 'model')}, dataset={chosen_option(cfg, 'dataset')}",
+        )
     if OmegaConf.is_missing(cfg.dataset, "root"):
         problems.add("dataset", "`root` must be set: dataset.root=/path/to/images")
     return problems.messages
@@ -175,9 +185,9 @@ def check_settings(cfg: DictConfig) -> list[str]:
 
 def build_data_and_module(
     cfg: DictConfig, problems: Problems, need_data: bool = True
-) -> tuple[ImageDataModule | None, L.LightningModule | None]:
+) -> tuple[ClassificationData | None, L.LightningModule | None]:
     """The data module and the LightningModule holding the network, or None for each that cannot be built."""
-    datamodule: ImageDataModule | None = None
+    datamodule: ClassificationData | None = None
     if not OmegaConf.is_missing(cfg.dataset, "root"):
         datamodule = problems.attempt("dataset", lambda: instantiate(cfg.dataset))
     if datamodule is not None and need_data:
@@ -291,6 +301,15 @@ def _enabled(cfg: DictConfig, group: str) -> bool:
     """Whether the group's option builds something (`elastic=none` and `logger=none` set `_target_: null`)."""
     node = cfg.get(group)
     return node is not None and node.get("_target_") is not None
+
+
+def chosen_option(cfg: DictConfig, group: str) -> str:
+    """The option picked for a config group (what its `_target_` builds when Hydra is not running)."""
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.choices.get(group, "?"))
+    node = cfg.get(group)
+    target = node.get("_target_") if node is not None else None
+    return str(target).rsplit(".", 1)[-1] if target else "?"
 
 
 def _valid_seed(value: Any) -> bool:

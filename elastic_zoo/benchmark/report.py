@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from elastic_zoo.recipe import chosen_option
+
 # Baselines that train one fixed set of tensors: the elastic selection must beat them at the same budget.
 STATIC: tuple[str, ...] = ("head_only", "bitfit", "static_last_k")
 # The targets of the benchmark issue, for the reference elastic run against full fine-tuning.
@@ -155,11 +157,11 @@ def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: fl
         else "measured with NVML"
     )
     lines = [
-        f"# Benchmark: {_choice(cfg, 'model')} x {_choice(cfg, 'dataset')} at {cfg.dataset.image_size} px",
+        f"# Benchmark: {chosen_option(cfg, 'model')} x {chosen_option(cfg, 'dataset')} at {_input_size(cfg)}",
         "",
         f"- {len(seeds)} seed(s) {seeds}, {cfg.trainer.max_epochs} epochs, batch {cfg.dataset.batch_size}, "
         f"{cfg.module.optimizer} lr {cfg.module.lr:g}; elastic: re-selection every {cfg.elastic.interval} "
-        f"{cfg.elastic.interval_unit}(s), probe steps {cfg.elastic.probe_steps}; device {_choice(cfg, 'device')} "
+        f"{cfg.elastic.interval_unit}(s), probe steps {cfg.elastic.probe_steps}; device {chosen_option(cfg, 'device')} "
         f"({torch.get_num_threads()} threads)",
         f"- benchmark wall time {seconds / 60:.1f} min; figures are mean ± sample standard deviation over seeds",
         f"- evaluation: {_sizes(rows, 'val_images')} validation images (one image = "
@@ -293,15 +295,17 @@ def _sizes(rows: Sequence[dict[str, Any]], key: str) -> str:
     return f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
 
 
-def _choice(cfg: DictConfig, group: str) -> str:
-    """The option picked for a config group, or what its `_target_` builds when Hydra is not running."""
-    from hydra.core.hydra_config import HydraConfig
+def _input_size(cfg: DictConfig) -> str:
+    """The size of one input: an image's side, or a text's tokens.
 
-    if HydraConfig.initialized():
-        return str(HydraConfig.get().runtime.choices.get(group, "?"))
-    node = cfg.get(group)
-    target = node.get("_target_") if node is not None else None
-    return str(target).rsplit(".", 1)[-1] if target else "?"
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> _input_size(OmegaConf.create({"dataset": {}, "model": {"tokenizer": {"max_length": 32}}}))
+        '32 tokens'
+    """
+    if "image_size" in cfg.dataset:
+        return f"{cfg.dataset.image_size} px"
+    return f"{cfg.model.tokenizer.max_length} tokens"
 
 
 def mean_or_nan(values: Sequence[float]) -> float:

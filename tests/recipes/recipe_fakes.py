@@ -7,10 +7,12 @@ loaders give each image its own label: the normalised pixel values say which cla
 from __future__ import annotations
 
 import gzip
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -110,3 +112,90 @@ def fake_image_folder(root: Path, classes: Sequence[str] = ("cat", "dog", "eel")
         for i in range(per_class):
             save_image(root / name / f"{i}.png", label)
     (root / classes[0] / "notes.txt").write_text("not an image")
+
+
+# A tiny BERT checkpoint in Hugging Face's file layout: the vocabulary of the fake e-mails below, and the words'
+# ids for tests that check the tokenizer.
+BERT_VOCAB = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "buy", "cheap", "pills", "now", "free", "meeting", "the",
+              "code", "review", "tomorrow", "patch", "hello", "offer", "kernel", "##s", ".", "!")  # fmt: skip
+TINY_BERT = {"vocab_size": len(BERT_VOCAB), "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+             "hidden_act": "gelu", "model_type": "bert", "pad_token_id": 0}  # fmt: skip
+
+
+def bert_weight_shapes(config: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """The weights of Hugging Face's `BertModel` (pooler included) and their shapes, written out by hand."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.word_embeddings.weight": (config["vocab_size"], hidden),
+        "embeddings.position_embeddings.weight": (config["max_position_embeddings"], hidden),
+        "embeddings.token_type_embeddings.weight": (config["type_vocab_size"], hidden),
+        "embeddings.LayerNorm.weight": (hidden,),
+        "embeddings.LayerNorm.bias": (hidden,),
+        "pooler.dense.weight": (hidden, hidden),
+        "pooler.dense.bias": (hidden,),
+    }
+    for i in range(config["num_hidden_layers"]):
+        layer = f"encoder.layer.{i}"
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+            shapes[f"{layer}.{name}.weight"], shapes[f"{layer}.{name}.bias"] = (hidden, hidden), (hidden,)
+        shapes[f"{layer}.intermediate.dense.weight"], shapes[f"{layer}.intermediate.dense.bias"] = (
+            (inner, hidden),
+            (inner,),
+        )
+        shapes[f"{layer}.output.dense.weight"], shapes[f"{layer}.output.dense.bias"] = (hidden, inner), (hidden,)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            shapes[f"{layer}.{norm}.weight"], shapes[f"{layer}.{norm}.bias"] = (hidden,), (hidden,)
+    return shapes
+
+
+def fake_bert_checkpoint(folder: Path, seed: int = 0, drop: str | None = None) -> dict[str, torch.Tensor]:
+    """config.json, model.safetensors (random weights, `drop` left out) and tokenizer.json; returns the weights."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_BERT))
+    generator = torch.Generator().manual_seed(seed)
+    state = {
+        name: (1.0 if name.endswith("LayerNorm.weight") else 0.0) + 0.5 * torch.randn(shape, generator=generator)
+        for name, shape in bert_weight_shapes(TINY_BERT).items()
+        if name != drop
+    }
+    save_file({**state, "embeddings.position_ids": torch.arange(16).unsqueeze(0)}, str(folder / "model.safetensors"))
+    tokenizer = Tokenizer(models.WordPiece({t: i for i, t in enumerate(BERT_VOCAB)}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    (folder / "tokenizer.json").write_text(tokenizer.to_str())
+    return state
+
+
+HAM = "From: dev@lists.example\nSubject: Code review tomorrow {i}\n\nHello, the patch for the kernel. Meeting tomorrow."
+SPAM = (
+    "From: offer@spam.example\nSubject: FREE pills {i}\nMIME-Version: 1.0\nContent-Type: multipart/alternative; "
+    'boundary="b"\n\n--b\nContent-Type: text/html\n\n<p>Buy <b>cheap</b> pills now!</p>\n--b--\n'
+)
+
+
+def fake_spam_assassin(root: Path, counts: dict[str, int] | None = None) -> list[str]:
+    """The npm package's layout: data/file_list.json and one folder per group, plus one exact copy of an e-mail.
+
+    Returns the file names in the list's order. Ham says "code review", spam "cheap pills"; the group of an
+    e-mail is its folder.
+    """
+    counts = counts or {"easy-ham-1": 8, "hard-ham-1": 6, "spam-2": 8}
+    names = []
+    for folder, count in counts.items():
+        (root / "data" / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            name = f"{folder}/{i:05d}.{i:032x}.txt"
+            (root / "data" / name).write_text((SPAM if folder.startswith("spam") else HAM).format(i=f"{folder} {i}"))
+            names.append(name)
+    copy = f"{next(iter(counts))}/99999.{0:032x}.txt"
+    (root / "data" / copy).write_bytes((root / "data" / names[0]).read_bytes())
+    names.append(copy)
+    (root / "data" / "file_list.json").write_text(json.dumps(names))
+    return names

@@ -26,8 +26,8 @@ DEBUGS = [name for group, name in OPTIONS if group == "debug"]
 def test_every_group_has_its_options() -> None:
     names = {group: {n for g, n in OPTIONS if g == group} for group in GROUPS}
     assert {"cpu", "cuda", "raspberry_pi_4b", "jetson_tx2"} <= names["device"]
-    assert names["model"] == {"efficientnet_lite0", "resnet50", "vgg16", "mobilenet_v2", "vit_b_16", "tiny"}
-    assert names["dataset"] == {"elpv", "oxford_pets", "cub200", "fashion_mnist", "image_folder"}
+    assert names["model"] == {"efficientnet_lite0", "resnet50", "vgg16", "mobilenet_v2", "vit_b_16", "tiny", "minilm"}
+    assert names["dataset"] == {"elpv", "oxford_pets", "cub200", "fashion_mnist", "image_folder", "spam_assassin"}
     assert names["elastic"] == {"default", "none"}
     assert {"demo", "resnet50_cub200", "mobilenet_v2_pets", "vit_pets", "lite0_fashion_mnist"} <= names["experiment"]
     assert names["module"] == {"image_classifier"}
@@ -108,7 +108,8 @@ def test_model_head_pattern_names_exactly_the_new_head(name: str, tmp_path: Path
     expected = {n for n, p in module.named_parameters() if any(p is q for q in head.parameters())}
     matched = {n for n, _ in module.named_parameters() if fnmatch.fnmatchcase(n, cfg.model.head)}
     assert matched == expected
-    assert cfg.model.min_image_size <= cfg.model.image_size <= (cfg.model.max_image_size or cfg.model.image_size)
+    if cfg.model.image_size is not None:  # an image model (a text model has none)
+        assert cfg.model.min_image_size <= cfg.model.image_size <= (cfg.model.max_image_size or cfg.model.image_size)
 
 
 def test_build_lists_every_problem_at_once(tmp_path: Path) -> None:
@@ -161,3 +162,19 @@ def test_a_head_pattern_that_matches_nothing_is_reported(tmp_path: Path) -> None
 def test_a_seed_numpy_cannot_take_is_reported(override: str, shown: str, tmp_path: Path) -> None:
     cfg = compose_config([override], output_dir=tmp_path)
     assert check_settings(cfg) == [f"top level: `seed` must be an int from 0 to 4294967295. Found: {shown}"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reads", "holds"),
+    [(["model=minilm"], "texts", "images"), (["dataset=spam_assassin"], "images", "texts")],
+)
+def test_a_text_model_on_images_or_an_image_model_on_texts_is_reported(
+    overrides: list[str], reads: str, holds: str, tmp_path: Path
+) -> None:
+    cfg = compose_config(overrides, output_dir=tmp_path)
+    model, dataset = HydraConfig.get().runtime.choices["model"], HydraConfig.get().runtime.choices["dataset"]
+    assert check_settings(cfg) == [
+        f"dataset: the model reads {reads} but the data set holds {holds}: pair a text model (model=minilm) with a "
+        f"text data set (dataset=spam_assassin), an image model with an image data set. Found: model={model}, "
+        f"dataset={dataset}"
+    ]
