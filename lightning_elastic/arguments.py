@@ -2,9 +2,11 @@
 
 LightningCLI (jsonargparse) checks each argument against its annotation as it parses, and exits with a one-line
 error; the constructor's own checks run later, when LightningCLI instantiates the callback, and end in a stack
-trace. `Speedup` moves the check of `speedup` into the parse: when jsonargparse is installed (it is optional, never
-required), `Speedup` is registered with it, its deserializer raising the constructor's message. Type checkers see
-`Speedup` as `float`, so `ElasticTensorSelection(speedup=2.0)` stays well typed.
+trace. `Speedup` and `PositiveInt` move the checks of `speedup`, `interval`, `probe_steps` and `resolution` into the
+parse: when jsonargparse is installed (it is optional, never required), both are registered with it, their
+deserializers raising the constructor's message. Type checkers see them as `float` and `int`, so
+`ElasticTensorSelection(speedup=2.0, interval=2)` stays well typed. (The other arguments are checked by their
+annotations already: `Literal` choices, `bool`.)
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import numbers
 from typing import TYPE_CHECKING
 
-from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.errors import ElasticConfigError, is_positive_int
 
 
 def speedup_problem(value: object, name: str = "speedup") -> str | None:
@@ -52,12 +54,43 @@ else:
             return super().__new__(cls, number)
 
 
+if TYPE_CHECKING:
+    PositiveInt = int
+else:
+
+    class PositiveInt(int):
+        """A count as a parser reads it (`interval`, `probe_steps`, `resolution`): an int > 0, or its text.
+
+        The parser names the argument (``Parser key "interval"``), so the message says only what is wrong.
+
+        Example:
+            >>> PositiveInt("3"), PositiveInt(2)
+            (3, 2)
+            >>> PositiveInt("0")
+            Traceback (most recent call last):
+            ...
+            lightning_elastic.errors.ElasticConfigError: must be a positive int. Found: 0
+        """
+
+        def __new__(cls, value: object) -> PositiveInt:
+            number = value
+            if isinstance(value, str):
+                try:
+                    number = int(value)
+                except ValueError:
+                    number = value
+            if not is_positive_int(number):
+                raise ElasticConfigError(f"must be a positive int. Found: {number!r}")
+            return super().__new__(cls, number)
+
+
 def _register_with_jsonargparse() -> None:
     try:
         from jsonargparse.typing import register_type
     except ImportError:  # LightningCLI is not in use: nothing to register with
         return
     register_type(Speedup, serializer=float, deserializer=Speedup)
+    register_type(PositiveInt, serializer=int, deserializer=PositiveInt)
 
 
 _register_with_jsonargparse()

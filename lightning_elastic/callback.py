@@ -31,7 +31,7 @@ from numpy import bool_ as np_bool
 from typing_extensions import override
 
 from lightning_elastic import reporting
-from lightning_elastic.arguments import Speedup, speedup_problem
+from lightning_elastic.arguments import PositiveInt, Speedup, speedup_problem
 from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy
@@ -93,14 +93,14 @@ class ElasticTensorSelection(Callback):
     def __init__(
         self,
         speedup: Speedup = 2.0,
-        interval: int = 1,
+        interval: PositiveInt = 1,
         interval_unit: IntervalUnit = "epoch",
-        probe_steps: int | Literal["auto"] = "auto",
+        probe_steps: PositiveInt | Literal["auto"] = "auto",
         time_model: TimingMethod = "measured",
         train_always: Sequence[str] = (),
         train_never: Sequence[str] = (),
         bn_policy: BnPolicy = "update",
-        resolution: int = 1000,
+        resolution: PositiveInt = 1000,
         cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
         profile: TimingProfile | str | os.PathLike[str] | None = None,
         calibrate: bool = True,

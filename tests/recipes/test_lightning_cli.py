@@ -99,3 +99,24 @@ def test_a_bad_speedup_in_a_yaml_config_ends_the_parse_with_the_callbacks_messag
     result = run_cli(tmp_path, "fit", f"--config={config}", *QUIET)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert BAD_SPEEDUP + "0.5\n" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "shown"),
+    [("interval", "0", "0"), ("probe_steps", "0", "0"), ("resolution", "x", "'x'"), ("interval", "1.5", "'1.5'")],
+)
+def test_a_bad_count_on_the_command_line_ends_the_parse_with_a_message_that_names_it(
+    tmp_path: Path, argument: str, value: str, shown: str
+) -> None:
+    # `interval`, `probe_steps` and `resolution` are annotated `PositiveInt`: the parser names the argument and
+    # gives the type's message, exit 2, before anything is built
+    result = run_cli(
+        tmp_path,
+        "fit",
+        "--trainer.callbacks+=ElasticTensorSelection",
+        f"--trainer.callbacks.{argument}={value}",
+        *QUIET,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f'Parser key "{argument}":\n' in result.stderr
+    assert f"Not of type PositiveInt: must be a positive int. Found: {shown}\n" in result.stderr

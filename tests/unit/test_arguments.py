@@ -1,4 +1,4 @@
-"""`Speedup`: the check of `speedup` that a command-line parser runs as it reads the value."""
+"""`Speedup` and `PositiveInt`: the checks that a command-line parser runs as it reads a value."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lightning_elastic import ElasticConfigError, arguments
-from lightning_elastic.arguments import Speedup, speedup_problem
+from lightning_elastic.arguments import PositiveInt, Speedup, speedup_problem
 
 
 @pytest.mark.parametrize(("value", "expected"), [("2.5", 2.5), ("3", 3.0), (1.5, 1.5), (4, 4.0)])
@@ -41,3 +41,22 @@ def test_without_jsonargparse_registration_is_skipped(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "jsonargparse", None)  # `import jsonargparse` now raises ImportError
     monkeypatch.setitem(sys.modules, "jsonargparse.typing", None)
     arguments._register_with_jsonargparse()  # returns quietly: the library needs only torch and lightning
+
+
+@pytest.mark.parametrize(("value", "expected"), [("3", 3), (2, 2), ("1000", 1000)])
+def test_a_positive_int_reads_ints_and_their_text(value: object, expected: int) -> None:
+    assert PositiveInt(value) == expected and type(PositiveInt(value)) is PositiveInt
+
+
+@pytest.mark.parametrize(("value", "shown"), [("0", "0"), (-2, "-2"), ("1.5", "'1.5'"), (2.0, "2.0"), (True, "True")])
+def test_a_positive_int_refuses_what_the_constructor_refuses(value: object, shown: str) -> None:
+    with pytest.raises(ElasticConfigError) as refusal:
+        PositiveInt(value)
+    assert str(refusal.value) == f"must be a positive int. Found: {shown}"
+
+
+def test_the_constructor_still_names_a_bad_count_given_in_python() -> None:
+    from lightning_elastic import ElasticTensorSelection
+
+    with pytest.raises(ElasticConfigError, match=r"`interval` must be a positive int. Found: 0"):
+        ElasticTensorSelection(interval=0)
