@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
@@ -30,6 +31,16 @@ def speedup_problem(value: object, name: str = "speedup") -> str | None:
     return None
 
 
+def _parsed(value: object, parse: Callable[[str], object]) -> object:
+    """A command line's text read as a number by `parse`; anything else (or text it cannot read) as it is."""
+    if isinstance(value, str):
+        try:
+            return parse(value)
+        except ValueError:
+            return value
+    return value
+
+
 if TYPE_CHECKING:
     Speedup = float
 else:
@@ -43,12 +54,7 @@ else:
         """
 
         def __new__(cls, value: object) -> Speedup:
-            number = value
-            if isinstance(value, str):
-                try:
-                    number = float(value)
-                except ValueError:
-                    number = value
+            number = _parsed(value, float)
             if (problem := speedup_problem(number)) is not None:
                 raise ElasticConfigError(problem)
             return super().__new__(cls, number)
@@ -73,12 +79,7 @@ else:
         """
 
         def __new__(cls, value: object) -> PositiveInt:
-            number = value
-            if isinstance(value, str):
-                try:
-                    number = int(value)
-                except ValueError:
-                    number = value
+            number = _parsed(value, int)
             if not is_positive_int(number):
                 raise ElasticConfigError(f"must be a positive int. Found: {number!r}")
             return super().__new__(cls, number)
