@@ -3,7 +3,8 @@
 The callback is the method's table of contents; each step lives in its own module:
 
 0. start    (`startup`)                        refuse what the method cannot run with; the schedule from the Trainer;
-1. profile  (`profiling.harness`)              per-tensor backward times of this model on this device, cached;
+1. profile  (`profiling.harness`)              per-tensor backward times of this model on this device, cached,
+                                                measured inside the fit's first step (`FirstStep`);
 2. plan     (`planner.WallClockPlan`)         the wall-clock contract: what every step may cost from here on;
 3. probe    (`importance.ImportanceEvaluator`) importance from real updates: of every tensor in probe windows,
                                                 of the trained ones at every other step;
@@ -17,6 +18,7 @@ The callback is the method's table of contents; each step lives in its own modul
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -38,9 +40,10 @@ from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy
 from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingMethod, TimingProfile
-from lightning_elastic.profiling.harness import current_profile
+from lightning_elastic.profiling.harness import FirstStep, announce_profiling, measure_profile, reusable_profile
+from lightning_elastic.profiling.profile import resolve_cache_dir
 from lightning_elastic.records import SelectionRecord
-from lightning_elastic.schedule import IntervalUnit
+from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_supported, fit_schedule
@@ -156,6 +159,8 @@ class ElasticTensorSelection(Callback):
         self._clock = clock
         self._profile: TimingProfile | None = None  # carries from fit to fit on purpose (same model: no re-profiling)
         self._fit: FitSession | None = None
+        self._first: FirstStep | None = None  # the fit's first step, while it is still to provide the profile
+        self._schedule: tuple[Schedule | None, int | None] = (None, None)
         self._restored: dict[str, Any] | None = None
 
     @property
@@ -202,17 +207,42 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._fit = None  # each fit starts clean
+        self._fit, self._first = None, None  # each fit starts clean
         unit, probe_steps = self._interval_unit, self._probe_steps
-        schedule, total_steps = fit_schedule(trainer, self._interval, unit, probe_steps, self._speedup)
-        if schedule is None:
+        self._schedule = fit_schedule(trainer, self._interval, unit, probe_steps, self._speedup)
+        if self._schedule[0] is None:
             return
         started = self._clock()
         restored = self._restored.get("profile") if self._restored else None
-        prof = self._profile = current_profile(
-            trainer, pl_module, self._given_profile, restored, self._profile, self._time_model, self._cache_dir
-        )
-        profile_seconds = self._clock() - started
+        prof = reusable_profile(trainer, pl_module, self._given_profile, restored, self._profile)
+        if prof is None and self._restored is None and not self._train_never and FirstStep.applies(trainer, pl_module):
+            announce_profiling(pl_module, first_step=True)
+            self._first = FirstStep(pl_module.device, self._clock)  # profiles during the first step (see FirstStep)
+            return
+        if prof is None:
+            announce_profiling(pl_module, first_step=False)
+            prof = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir))
+        self._begin(trainer, pl_module, prof, self._clock() - started)
+
+    def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:
+        """The first step ran its forward and backward pass: profile on its batch, then begin before its update."""
+        first.timer.stop()
+        if first.signature is None:
+            first.timer.start()  # no backward pass ran (`training_step` returned None): the next step is the first
+            return
+        self._first = None
+        started = self._clock()
+        prof = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir), first)
+        fit = self._begin(trainer, pl_module, prof, self._clock() - started)
+        fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
+
+    def _begin(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile, profile_seconds: float
+    ) -> FitSession:
+        """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet)."""
+        schedule, total_steps = self._schedule
+        assert schedule is not None
+        self._profile = prof
         pins = (self._train_always, self._train_never)
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
         fit = FitSession.start(trainer, pl_module, prof, schedule, plan, *pins, self._bn_policy, self._clock)
@@ -224,11 +254,14 @@ class ElasticTensorSelection(Callback):
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
         reporting.announce(trainer, prof, self._speedup, total_steps, schedule)
+        return fit
 
     # ------------------------------------------------------------------ 3. probe: windows, and importance at every step
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._first is not None:
+            self._first.timer.start()
         if (fit := self._fit) is None:
             return
         fit.check_trainable()
@@ -244,6 +277,8 @@ class ElasticTensorSelection(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._first is not None:
+            self._first.batch_start(pl_module, batch)
         if (fit := self._fit) is None:
             return
         fit.check_trainable()
@@ -255,9 +290,21 @@ class ElasticTensorSelection(Callback):
             pl_module.log(name, value, prog_bar=True, logger=False, batch_size=1)  # the progress bar only
 
     @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._first is not None:
+            self._first.before_backward(loss)
+
+    @override
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._first is not None:
+            self._first.after_backward()
+
+    @override
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self._first is not None:
+            self._profile_at_first_step(trainer, pl_module, self._first)
         if self._fit is not None:
             self._fit.before_optimizer_step()
 
@@ -265,6 +312,8 @@ class ElasticTensorSelection(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._first is not None:
+            self._first.close()  # a step that ran no backward pass records again next time
         if (fit := self._fit) is None or trainer.global_step == fit.step_at_batch_start:
             return  # off, or accumulating gradients: the optimizer step is still to come
         fit.after_optimizer_step()
@@ -336,6 +385,8 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self._first is not None:
+            self._first.close()
         self.on_fit_end(trainer, pl_module)
 
     # ------------------------------------------------------------------ checkpoints

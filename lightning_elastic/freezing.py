@@ -132,5 +132,12 @@ def invalidate_compiled_graphs(model: nn.Module) -> None:
     each change of the trainable set compiles once: that first step is charged to the fit as warm-up
     (`warmup_seconds`, `compiled_graphs` in the summary) and kept out of the step times the plan learns from.
     """
-    if any(type(m).__name__ == "OptimizedModule" for m in model.modules()) or getattr(model, "_compiler_ctx", None):
+    if is_compiled(model):
         torch._dynamo.reset()
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether torch.compile runs `model` or part of it (passed compiled to `fit`, or a compiled submodule)."""
+    return any(type(m).__name__ == "OptimizedModule" for m in model.modules()) or bool(
+        getattr(model, "_compiler_ctx", None)
+    )

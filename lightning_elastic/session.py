@@ -134,6 +134,16 @@ class FitSession:
         model = StepTimeModel.from_profile(prof)
         return reach(model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full)
 
+    def enter_at_step(self, trainer: L.Trainer, seconds: float) -> None:
+        """Begin inside an optimizer step (the fit's first, whose pass keyed the profile): charge its `seconds` up to
+        the update, and open the probe window it lies in, so its update is measured like any probe step's."""
+        self.plan.spend(seconds)
+        self.totals["warmup_seconds"] += seconds
+        self.step_at_batch_start = step = trainer.global_step
+        if self.probe_end is None and (end := self.schedule.window_end(step)) is not None:
+            self.open_probe(trainer, end)
+        self.step_timer.start()
+
     # ------------------------------------------------------------------ steps and probe windows
 
     def open_probe(self, trainer: L.Trainer, end: int) -> None:

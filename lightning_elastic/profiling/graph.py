@@ -12,11 +12,13 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.timing import DeviceClock
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 Node = Any  # torch.autograd.graph.Node; its C++ subclasses carry no useful static type
+
 
 class OpRecorder(TorchFunctionMode):
     """Times every torch function call of a forward pass and keeps what it needs about each call."""
@@ -162,7 +164,6 @@ class Pass:
     sources: list[Node] = field(default_factory=list)
 
 
-
 @dataclass
 class OpGraph:
     """Where one forward op sits in the autograd graph."""
@@ -171,3 +172,53 @@ class OpGraph:
     inputs: list[Node]  # grad_fn of its tensor inputs other than the profiled parameters
     params: list[int]  # id() of the profiled parameters among its inputs
 
+
+class StepSignature:
+    """Records, while one forward and backward pass runs, what a profile's cache key covers beyond the parameters.
+
+    ``calls``: module types in forward order with the shapes and dtypes of their tensor inputs; ``graph``: the
+    autograd node types of the backward graph in structural order (a changed functional op, a
+    ``CheckpointFunctionBackward``); ``recomputed``: the module calls that backward makes again (gradient
+    checkpointing recomputes its segments' forward, whatever its implementation). The profiler's own fingerprint
+    pass and the fit's first training step (`harness.FirstStep`) record it alike: hooks on every module from
+    construction until `close`, and the loss's `grad_fn` between the forward pass and the backward pass.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+        >>> recorder = StepSignature(net)
+        >>> loss = net(torch.ones(1, 3)).sum()
+        >>> recorder.loss(loss.grad_fn); loss.backward(); recorder.close()
+        >>> recorder.signature()["calls"][1], recorder.signature()["recomputed"]
+        (['Linear', [[[1, 3], 'torch.float32']]], [])
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._calls: list[Any] = []
+        self._forward: list[Any] | None = None
+        self._graph: list[str] = []
+        self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in model.modules()]
+
+    def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tensors = tensors_in(args) + tensors_in(kwargs)
+        self._calls.append([type(module).__name__, [[list(t.shape), str(t.dtype)] for t in tensors]])
+
+    def loss(self, root: Node | None) -> None:
+        """The forward pass ended with a loss whose grad_fn is ``root``: its graph, and the calls so far as the
+        forward ones."""
+        self._forward = list(self._calls)
+        self._graph = [node.name() for node in walk(root)] if root is not None else []
+
+    @property
+    def complete(self) -> bool:
+        """Whether a forward pass reached its loss (a step may end early: `training_step` returned None)."""
+        return self._forward is not None
+
+    def close(self) -> None:
+        """Remove the hooks (after the backward pass, so that its recomputed calls are in)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def signature(self) -> dict[str, Any]:
+        forward = self._forward if self._forward is not None else list(self._calls)
+        return {"calls": forward, "graph": self._graph, "recomputed": self._calls[len(forward) :]}

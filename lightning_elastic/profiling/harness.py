@@ -1,7 +1,8 @@
 """The first training batch to the loss on the real training step: the one harness every caller shares.
 
-`current_profile` chooses the profile a fit uses: the one given, a checkpoint's or the last fit's while it still
-describes the training step, else one measured on that step (or read from the cache).
+`reusable_profile` finds a profile the fit can use without measuring (the one given, a checkpoint's or the last
+fit's while it still describes the training step); `measure_profile` measures one on that step, or reads it from the
+cache, on the first batch or on the batch of the fit's first step (`FirstStep`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -23,29 +24,29 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.freezing import is_compiled
+from lightning_elastic.profiling.graph import StepSignature
 from lightning_elastic.profiling.profile import (
     TimingMethod,
     TimingProfile,
     load_given_profile,
     mismatch,
-    resolve_cache_dir,
 )
 from lightning_elastic.profiling.runner import Progress, fingerprint, profile
+from lightning_elastic.timing import StepTimer
 
-__all__ = ["current_profile", "measure_profile", "stale_reason"]
+__all__ = ["FirstStep", "measure_profile", "reusable_profile", "stale_reason"]
 
 
-def current_profile(
+def reusable_profile(
     trainer: L.Trainer,
     pl_module: L.LightningModule,
     given: TimingProfile | str | os.PathLike[str] | None,
     restored: Mapping[str, Any] | None,
     previous: TimingProfile | None,
-    method: TimingMethod,
-    cache_dir: str | os.PathLike[str] | Literal[False] | None,
-) -> TimingProfile:
+) -> TimingProfile | None:
     """The given profile; else the checkpoint's (`restored`) or the last fit's, if they describe this module; else
-    one measured on the training step (`measure_profile`, which reads `cache_dir` first)."""
+    None (the fit measures one, or reads it from the cache)."""
     loaded = load_given_profile(given)
     if loaded is not None:
         return loaded
@@ -62,23 +63,92 @@ def current_profile(
             f"ElasticTensorSelection: the {source} timing profile does not describe this model ({reason}); "
             "profiling again."
         )
+    return None
+
+
+def announce_profiling(pl_module: L.LightningModule, first_step: bool) -> None:
+    """Say what profiling is about to cost, before it starts."""
     count = sum(p.requires_grad for p in pl_module.parameters())
+    when, steps = ("after the first training step's backward pass", 6) if first_step else ("on the first batch", 7)
     rank_zero_info(
-        f"ElasticTensorSelection: profiling {count} tensors on the first batch (about 7 training steps, more "
-        "on a busy machine; a cached profile of this model on this device is used instead when there is one)"
+        f"ElasticTensorSelection: profiling {count} tensors {when} (about {steps} training steps, more on a busy "
+        "machine; a cached profile of this model on this device is used instead when there is one)"
     )
-    return measure_profile(trainer, pl_module, method, resolve_cache_dir(cache_dir))
 
 
 def measure_profile(
-    trainer: L.Trainer, pl_module: L.LightningModule, method: TimingMethod, cache_dir: Path | None
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    method: TimingMethod,
+    cache_dir: Path | None,
+    first: FirstStep | None = None,
 ) -> TimingProfile:
-    """Profile the real training step on the first training batch (or read it from the cache)."""
-    with _training_step(trainer, pl_module) as compute_loss:
-        profiled = profile(pl_module, compute_loss, method=method, cache_dir=cache_dir, progress=_phase_lines())
+    """Profile the real training step on the first training batch (or read it from the cache).
+
+    With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
+    signature keys the cache, so profiling takes no pass of its own for it.
+    """
+    signature = first.signature if first is not None else None
+    with _training_step(trainer, pl_module, first.batch if first is not None else None) as compute_loss:
+        profiled = profile(
+            pl_module, compute_loss, method=method, cache_dir=cache_dir, progress=_phase_lines(), signature=signature
+        )
     if trainer.world_size == 1:
         return profiled
     return TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))  # the same on every rank
+
+
+class FirstStep:
+    """The fit's first training step, run by Lightning as usual, taken as the profile's fingerprint pass.
+
+    A profile is keyed by the step's `StepSignature` (one forward and backward pass with every candidate trained),
+    and its timings need a device that has run the step once. The fit's first optimizer step is both: it opens the
+    first probe window, so every candidate trains. The callback records its signature as it runs and profiles (or
+    reads the cache) on its batch between its backward pass and its optimizer update: profiling takes no pass of its
+    own for the fingerprint, and a speedup out of reach is still refused before any parameter changes. Its seconds up
+    to the update (`timer`) are the first step's, charged to the fit.
+
+    Only for one process running an eager module (`applies`): under DDP the wrapper adds its own nodes to the step's
+    graph, and a compiled module's hooks are traced, not run. The callback also needs a fit that starts afresh (a
+    resumed one restores a selection) with no `train_never` tensors (the first step would train them). Otherwise
+    profiling takes its own pass as training starts.
+    """
+
+    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
+        self.timer = StepTimer(device, clock)
+        self.batch: Any = None
+        self.signature: dict[str, Any] | None = None
+        self._recorder: StepSignature | None = None
+
+    @staticmethod
+    def applies(trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        return trainer.world_size == 1 and not is_compiled(pl_module)
+
+    def batch_start(self, pl_module: L.LightningModule, batch: Any) -> None:
+        """A step's first micro-batch starts: record it (until one step has recorded a whole signature)."""
+        if self.signature is None and self._recorder is None:
+            self.batch = batch
+            self._recorder = StepSignature(pl_module)
+
+    def before_backward(self, loss: Tensor) -> None:
+        """The loss Lightning is about to differentiate: the `training_step`'s, divided by the micro-batches of the
+        step (by 1 too). That division is Lightning's, not the step's: the signature starts below it."""
+        if self._recorder is not None and not self._recorder.complete:
+            root = loss.grad_fn
+            if root is not None and root.name().startswith("DivBackward") and root.next_functions:
+                root = root.next_functions[0][0]
+            self._recorder.loss(root)
+
+    def after_backward(self) -> None:
+        if self._recorder is not None and self._recorder.complete:
+            self._recorder.close()
+            self.signature, self._recorder = self._recorder.signature(), None
+
+    def close(self) -> None:
+        """Drop a recording that did not reach a backward pass (`training_step` returned None, or the fit failed)."""
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
 
 
 def _phase_lines(clock: Callable[[], float] = time.perf_counter) -> Progress:
@@ -110,9 +180,12 @@ def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingP
 
 
 @contextmanager
-def _training_step(trainer: L.Trainer, pl_module: L.LightningModule) -> Iterator[Callable[[], Tensor]]:
-    """The loss of the real training step on the first batch, as a callable, with logging muted and no DDP sync."""
-    batch = _first_batch(trainer)
+def _training_step(
+    trainer: L.Trainer, pl_module: L.LightningModule, batch: Any = None
+) -> Iterator[Callable[[], Tensor]]:
+    """The loss of the real training step on `batch` (default: the first batch) as a callable, with logging muted
+    and no DDP sync."""
+    batch = _first_batch(trainer) if batch is None else batch
     with _muted(pl_module), _block_parallel_sync_behavior(trainer.strategy, block=True):
 
         def compute_loss() -> Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +16,16 @@ from torch import Tensor, nn
 from lightning_elastic.profiling.attribution import Structure
 from lightning_elastic.profiling.calibration import SEGMENTS, calibrate, calibration_knots, suffix_times
 from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
-from lightning_elastic.profiling.graph import ACCUMULATE_GRAD, InputLeaves, Node, OpGraph, OpRecorder, Pass, walk
+from lightning_elastic.profiling.graph import (
+    ACCUMULATE_GRAD,
+    InputLeaves,
+    Node,
+    OpGraph,
+    OpRecorder,
+    Pass,
+    StepSignature,
+    walk,
+)
 from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, cache_key, device_name, load_cached, store
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
 from lightning_elastic.timing import DeviceClock
@@ -36,6 +45,7 @@ def profile(
     repeats: int = 1,
     clock: Callable[[], float] | None = None,
     progress: Progress | None = None,
+    signature: Mapping[str, Any] | None = None,
 ) -> TimingProfile:
     """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
 
@@ -67,6 +77,9 @@ def profile(
         clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
         progress: called as each phase starts with ``(k, n, what)``: phase ``k`` of ``n`` (1: the fingerprint,
             which a cached profile ends with; 2: the instrumented or op-counting passes; 3: the plain timings).
+        signature: the step's `StepSignature`, recorded by the caller on a training step that just ran on the same
+            batch (the fit's first, `harness.FirstStep`): then profiling takes no fingerprint pass of its own, and
+            that step was the device's warm-up. Its backward graph must be the one of every candidate trained.
 
     Returns:
         The `TimingProfile`.
@@ -93,8 +106,11 @@ def profile(
     with _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
         runner.progress = progress or runner.progress
-        runner.progress(1, PHASES, "the step's fingerprint (one forward and backward pass)")
-        fingerprint = runner.fingerprint(method)
+        if signature is None:
+            runner.progress(1, PHASES, "the step's fingerprint (one forward and backward pass)")
+            fingerprint = runner.fingerprint(method)
+        else:
+            fingerprint = cache_key(signature, runner.device, runner.candidates, method)
         path = None if cache_dir is None else Path(cache_dir) / f"timing-{fingerprint[:24]}.json"
         cached = None if path is None else load_cached(path, fingerprint)
         if cached is not None:
@@ -217,31 +233,17 @@ class Runner:
         return mid - start, end - start
 
     def signature(self) -> dict[str, Any]:
-        """What the cache key must cover beyond the parameters: the step's structure, from one forward+backward.
-
-        ``calls``: module types in forward order with the shapes and dtypes of their tensor inputs; ``graph``: the
-        autograd node types of the full backward graph in structural order (a changed functional op, a
-        ``CheckpointFunctionBackward``); ``recomputed``: the module calls that backward makes again (gradient
-        checkpointing recomputes its segments' forward, whatever its implementation).
-        """
-        calls: list[Any] = []
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            tensors = tensors_in(args) + tensors_in(kwargs)
-            calls.append([type(module).__name__, [[list(t.shape), str(t.dtype)] for t in tensors]])
-
-        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.model.modules()]
+        """What the cache key must cover beyond the parameters (`StepSignature`), from one forward+backward."""
+        recorder = StepSignature(self.model)
         try:
             self._set_mask([True] * len(self.params))
             loss = self._loss()
-            forward = list(calls)
-            graph = [node.name() for node in walk(loss.grad_fn)] if loss.grad_fn is not None else []
+            recorder.loss(loss.grad_fn)
             if loss.requires_grad:
                 loss.backward()
         finally:
-            for handle in handles:
-                handle.remove()
-        return {"calls": forward, "graph": graph, "recomputed": calls[len(forward) :]}
+            recorder.close()
+        return recorder.signature()
 
     def fingerprint(self, method: TimingMethod) -> str:
         """The cache key of this model's profile by ``method`` on this device (see `signature`)."""

@@ -1,0 +1,140 @@
+"""The fit's first training step is the profile's fingerprint pass (`harness.FirstStep`): nothing else changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from lightning_elastic import ElasticTensorSelection
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling.runner import Runner
+from tests.integration.tiny import TinyNet, tiny_data, tiny_trainer
+
+
+class Counted(TinyNet):
+    """Counts `training_step` calls (Lightning's and the profiler's), with dropout and a metric updated each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net.insert(3, nn.Dropout(0.2))
+        self.called: list[int] = []  # a list: profiling gives plain attributes their values back, not their contents
+        self.mean_loss = MeanMetric()
+
+    @property
+    def calls(self) -> int:
+        return len(self.called)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.called.append(batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss.update(loss.detach())
+        return loss
+
+
+def elastic(cache_dir: Path | bool, **kwargs: Any) -> ElasticTensorSelection:
+    settings: dict[str, Any] = dict(speedup=1.05, probe_steps=2, interval=1, calibrate=False, cache_dir=cache_dir)
+    settings.update(kwargs)
+    return ElasticTensorSelection(**settings)
+
+
+def test_profiling_takes_no_fingerprint_pass_and_a_cached_profile_costs_no_pass_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    signatures: list[int] = []
+    own_pass = Runner.signature
+    monkeypatch.setattr(Runner, "signature", lambda self: signatures.append(1) or own_pass(self))
+    first = Counted()
+    tiny_trainer(callbacks=[elastic(tmp_path)], max_steps=8).fit(first, tiny_data())
+    assert signatures == []  # the first step's own pass was the fingerprint's
+    assert first.calls > 8  # 8 steps and the profile's passes
+    again = Counted()
+    callback = elastic(tmp_path)
+    tiny_trainer(callbacks=[callback], max_steps=8).fit(again, tiny_data())
+    assert again.calls == 8  # the cache was found with the first step's fingerprint: no pass of profiling
+    assert signatures == []
+    assert callback.timing_profile is not None and callback.timing_profile.profile_seconds > 0  # read, not measured
+    assert len(list(tmp_path.glob("timing-*.json"))) == 1
+
+
+def test_the_first_step_trains_as_it_would_without_the_callback() -> None:
+    """Profiling between its backward pass and its update leaves the update, BatchNorm, dropout and metrics alone."""
+    results = []
+    for callbacks in ([], [elastic(False)]):
+        torch.manual_seed(1)
+        module = Counted()
+        tiny_trainer(callbacks=callbacks, max_steps=1).fit(module, tiny_data())
+        results.append((module, [t.detach().clone() for t in [*module.parameters(), *module.buffers()]]))
+    (plain, expected), (profiled, got) = results
+    assert profiled.calls > plain.calls == 1
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    assert profiled.mean_loss.update_count == plain.mean_loss.update_count == 1
+    assert torch.equal(profiled.mean_loss.compute(), plain.mean_loss.compute())
+
+
+def test_every_step_is_in_the_account_and_the_first_is_a_probe_step() -> None:
+    callback = elastic(False)
+    counts: list[list[int]] = []
+
+    class AfterFirstStep(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 1 and callback._fit is not None:
+                counts.append(list(callback._fit.evaluator.counts))
+
+    tiny_trainer(callbacks=[callback, AfterFirstStep()], max_steps=8).fit(Counted(), tiny_data())
+    fit = callback._fit
+    assert fit is not None
+    assert fit.plan.steps_done == 8
+    assert fit.totals["warmup_seconds"] > 0  # the first step: charged, never a sample of `T`
+    assert fit.history[0].step == 2  # after the probe window of steps 0 and 1
+    assert counts == [[1] * len(fit.params)]  # the first step's update measured every tensor's importance
+
+
+def test_out_of_reach_is_refused_before_any_parameter_changes() -> None:
+    torch.manual_seed(0)
+    module = Counted()
+    before = [p.detach().clone() for p in module.parameters()]
+    updates: list[int] = []
+
+    class Updates(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            updates.append(trainer.global_step)
+
+    with pytest.raises(ElasticConfigError, match=r"`speedup` must be at most .* Found: 50.0"):
+        tiny_trainer(callbacks=[elastic(False, speedup=50.0, calibrate=True), Updates()], max_steps=8).fit(
+            module, tiny_data()
+        )
+    assert updates == []
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    assert all(p.requires_grad for p in module.parameters())
+
+
+def test_with_gradient_accumulation_the_fingerprint_is_the_profilers_own() -> None:
+    """Lightning divides the loss by the step's micro-batches; the signature starts below that division, so the
+    next fit's check (the profiler's own pass) finds the same step and keeps the profile."""
+    module = Counted()
+    callback = elastic(False)
+    tiny_trainer(callbacks=[callback], max_steps=3, accumulate_grad_batches=2).fit(module, tiny_data())
+    first = callback.timing_profile
+    tiny_trainer(callbacks=[callback], max_steps=3, accumulate_grad_batches=2).fit(module, tiny_data())
+    assert first is not None and callback.timing_profile is first
+
+
+def test_a_first_step_that_skips_its_backward_pass_leaves_profiling_to_the_next() -> None:
+    class SkipsFirst(Counted):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+            loss = super().training_step(batch, batch_idx)
+            return None if self.calls == 1 else loss
+
+    callback = elastic(False)
+    trainer = tiny_trainer(callbacks=[callback], max_steps=6)
+    trainer.fit(SkipsFirst(), tiny_data())
+    assert callback.timing_profile is not None
+    assert callback._fit is not None and len(callback.history) >= 1
