@@ -111,12 +111,17 @@ def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingP
 
 @contextmanager
 def _training_step(trainer: L.Trainer, pl_module: L.LightningModule) -> Iterator[Callable[[], Tensor]]:
-    """The loss of the real training step on the first batch, as a callable, with logging muted and no DDP sync."""
+    """The loss of the real training step on the first batch, as a callable, with logging muted and no DDP sync.
+
+    The step runs eagerly even when torch.compile would run it (the module given to `fit` compiled, or a compiled
+    submodule): the hooks then see every op and autograd node, the profile is that of the eager step, and profiling
+    compiles no graph. `torch.compiler.disable` would not do: a compiled submodule called inside still compiles.
+    """
     batch = _first_batch(trainer)
     with _muted(pl_module), _block_parallel_sync_behavior(trainer.strategy, block=True):
 
         def compute_loss() -> Tensor:
-            with trainer.precision_plugin.train_step_context():
+            with torch.compiler.set_stance("force_eager"), trainer.precision_plugin.train_step_context():
                 return _loss_of(pl_module.training_step(batch, 0))
 
         yield compute_loss
