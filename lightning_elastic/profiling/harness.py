@@ -111,16 +111,14 @@ def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingP
 
 @contextmanager
 def _training_step(trainer: L.Trainer, pl_module: L.LightningModule) -> Iterator[Callable[[], Tensor]]:
-    """The loss of the real training step on the first batch, as a callable, with logging muted and no DDP sync.
-
-    The step runs eagerly even when torch.compile would run it (the module given to `fit` compiled, or a compiled
-    submodule): the hooks then see every op and autograd node, the profile is that of the eager step, and profiling
-    compiles no graph. `torch.compiler.disable` would not do: a compiled submodule called inside still compiles.
-    """
+    """The loss of the real training step on the first batch, as a callable, with logging muted and no DDP sync."""
     batch = _first_batch(trainer)
     with _muted(pl_module), _block_parallel_sync_behavior(trainer.strategy, block=True):
 
         def compute_loss() -> Tensor:
+            # Eager even where torch.compile would run the step (the module given to `fit`, a compiled submodule):
+            # the hooks see every op and autograd node, and profiling compiles no graph. `torch.compiler.disable`
+            # would not do: a compiled submodule called inside it still compiles.
             with torch.compiler.set_stance("force_eager"), trainer.precision_plugin.train_step_context():
                 return _loss_of(pl_module.training_step(batch, 0))
 
