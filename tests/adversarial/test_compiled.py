@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.session import compiled_graphs
+from tests.integration.test_callback import Recorder, elastic
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 FORMS = ("given to fit compiled", "a compiled submodule")
@@ -93,3 +94,17 @@ def test_a_compiled_fit_compiles_one_graph_per_change_of_the_trainable_set(form:
     assert all(graphs.sets[0]) and not all(graphs.sets[changes[0]])
     assert compiled_graphs() - graphs.at_fit_start == 4
     assert callback.summary()["compiled_graphs"] == 4
+
+
+def test_compiled_module_runs_the_new_selection() -> None:
+    callback = elastic()
+    recorder = Recorder()
+    module = TinyNet()
+    compiled = torch.compile(module, backend="aot_eager")
+    tiny_trainer(callbacks=[callback, recorder], max_steps=10).fit(compiled, tiny_data())  # type: ignore[arg-type]
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True))
+    assert any(not all(t) for t in recorder.trainable)
+    changes = sum(1 for a, b in zip(recorder.trainable, recorder.trainable[1:], strict=False) if a != b)
+    graphs = callback.summary()["compiled_graphs"]
+    assert changes == 3 and 1 + changes <= graphs <= 3 * (1 + changes)  # counted, and bounded by the changes
