@@ -189,7 +189,10 @@ def _training_step(
     with _muted(pl_module), _block_parallel_sync_behavior(trainer.strategy, block=True):
 
         def compute_loss() -> Tensor:
-            with trainer.precision_plugin.train_step_context():
+            # Eager even where torch.compile would run the step (the module given to `fit`, a compiled submodule):
+            # the hooks see every op and autograd node, and profiling compiles no graph. `torch.compiler.disable`
+            # would not do: a compiled submodule called inside it still compiles.
+            with torch.compiler.set_stance("force_eager"), trainer.precision_plugin.train_step_context():
                 return _loss_of(pl_module.training_step(batch, 0))
 
         yield compute_loss

@@ -7,21 +7,18 @@ known factor; the callback measures that clock. Its whole fit must land on `full
 from __future__ import annotations
 
 import dataclasses
-import math
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
-from tests.integration.tiny import Crash, TinyNet, synthetic_profile, tiny_data, tiny_trainer
+from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 # Seconds-scale costs, so that the real microseconds the callback's own work takes are negligible.
 PROFILE = dataclasses.replace(
@@ -144,73 +141,3 @@ def test_an_unreachable_contract_is_refused_before_training() -> None:
     ):
         tiny_trainer(callbacks=[callback, Steps()], max_epochs=3).fit(TinyNet(), tiny_data())
     assert trained == []
-
-
-class PlanAtStart(Callback):
-    """The elastic callback's plan as the first resumed step starts."""
-
-    def __init__(self, elastic: ElasticTensorSelection) -> None:
-        self.elastic = elastic
-        self.plan: dict[str, Any] | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.plan is None and self.elastic._fit is not None and self.elastic._fit.plan is not None:
-            self.plan = self.elastic._fit.plan.state_dict()
-
-
-def test_resume_keeps_the_account(tmp_path: Path) -> None:
-    device = VirtualDevice(1.0)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=20, save_top_k=-1)
-    first = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        tiny_trainer(
-            callbacks=[device, first, checkpoint, Crash(25)], max_steps=60, max_epochs=-1, enable_checkpointing=True
-        ).fit(TinyNet(), tiny_data())
-    ckpt = next(tmp_path.glob("*step=20.ckpt"))
-    saved = torch.load(ckpt, weights_only=False)["callbacks"]
-    state = next(v for k, v in saved.items() if "ElasticTensorSelection" in k)
-    assert state["plan"]["steps_done"] == 20 and state["plan"]["spent"] > 0
-
-    resumed = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
-    watch = PlanAtStart(resumed)
-    tiny_trainer(callbacks=[device, resumed, watch], max_steps=60, max_epochs=-1).fit(
-        TinyNet(), tiny_data(), ckpt_path=ckpt
-    )
-    assert watch.plan is not None
-    assert WallClockPlan.from_state(watch.plan) == WallClockPlan.from_state(state["plan"])
-    assert resumed.summary()["fit_speedup"] > 1.0
-
-
-def test_the_model_is_given_back_as_the_user_had_it() -> None:
-    """A fit ending while a selection is in force leaves every tensor's `requires_grad` as it was before."""
-    module = TinyNet()
-    module.net[0].bias.requires_grad_(False)  # frozen by the user
-    callback = ElasticTensorSelection(
-        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=PROFILE, calibrate=False
-    )
-    during: list[tuple[bool, ...]] = []
-
-    class Watch(Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-            during.append(tuple(p.requires_grad for p in pl_module.parameters()))
-
-    tiny_trainer(callbacks=[callback, Watch()], max_steps=7).fit(module, tiny_data())
-    assert not all(during[-1])  # a selection was in force when the fit ended
-    assert [p.requires_grad for p in module.parameters()] == [n != "net.0.bias" for n, _ in module.named_parameters()]
-
-
-def test_a_second_fit_starts_clean() -> None:
-    callback = ElasticTensorSelection(speedup=1.6, interval=1, probe_steps=2, profile=PROFILE, calibrate=False)
-    tiny_trainer(callbacks=[callback], max_epochs=3).fit(TinyNet(), tiny_data())
-    assert [r.epoch for r in callback.history] == [0, 1, 2]
-    tiny_trainer(callbacks=[callback], max_epochs=2).fit(TinyNet(), tiny_data())
-    assert [r.epoch for r in callback.history] == [0, 1]
-    assert callback.summary()["selections"] == 2
-    assert all(math.isfinite(v) for v in callback.history[0].decision.importance)
-    assert any(callback.history[0].decision.importance)  # measured in this fit's window, not zero
-
-
-def test_two_instances_in_one_trainer() -> None:
-    first = ElasticTensorSelection(speedup=1.6, probe_steps=2, profile=PROFILE, calibrate=False)
-    second = ElasticTensorSelection(speedup=1.4, probe_steps=2, profile=PROFILE, calibrate=False)
-    assert first.state_key != second.state_key

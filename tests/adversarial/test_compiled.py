@@ -1,0 +1,110 @@
+"""torch.compile: profiling measures the eager step and compiles nothing; a fit compiles one graph per change of the
+trainable set, counted in the summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+
+from lightning_elastic import ElasticTensorSelection
+from lightning_elastic.session import compiled_graphs
+from tests.integration.test_callback import Recorder, elastic
+from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
+
+FORMS = ("given to fit compiled", "a compiled submodule")
+
+
+class Quiet(TinyNet):
+    """TinyNet whose step does not log: `self.log` breaks a compiled `training_step` in two graphs and recompiles on
+    Lightning's logging state, graphs of Lightning's, not of the callback's."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def compiled(form: str) -> tuple[nn.Module, Quiet]:
+    """The module as the user passes it to `fit`, compiled whole or in part (backend "aot_eager": CPU, no C++), and
+    the LightningModule that trains."""
+    module = Quiet()
+    if form == "given to fit compiled":
+        return torch.compile(module, backend="aot_eager"), module  # type: ignore[return-value]
+    module.net = torch.compile(module.net, backend="aot_eager")  # type: ignore[assignment]
+    return module, module
+
+
+class Graphs(Callback):
+    """Dynamo's count of compiled graphs as the fit starts and once the profile is taken (listed after the elastic
+    callback, whose `on_train_start` profiles), and the trainable set of every step."""
+
+    def __init__(self) -> None:
+        self.at_fit_start = self.after_profiling = -1
+        self.sets: list[tuple[bool, ...]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.at_fit_start = compiled_graphs()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.after_profiling = compiled_graphs()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.sets.append(tuple(p.requires_grad for p in pl_module.parameters()))
+
+
+def profiled(model: nn.Module, graphs: Graphs) -> ElasticTensorSelection:
+    """A short fit that profiles `model` for real (no given profile, no cache), at a speedup in reach whatever this
+    machine's timings (its forward pass measured at 98% of a step on a busy day)."""
+    callback = ElasticTensorSelection(speedup=1.001, probe_steps=2, calibrate=False, cache_dir=False)
+    tiny_trainer(callbacks=[callback, graphs], max_steps=3).fit(model, tiny_data())  # type: ignore[arg-type]
+    return callback
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_profiling_a_compiled_module_measures_the_eager_step_and_compiles_nothing(form: str) -> None:
+    """Before: profiling compiled 9-10 graphs, its hooks timed dynamo's frames and one `CompiledFunctionBackward`
+    node for the compiled part, and the profile's fingerprint was not the eager step's."""
+    with torch.compiler.set_stance("force_eager"):  # the reference: the same module with compiling turned off
+        eager = profiled(compiled(form)[0], Graphs())
+    graphs = Graphs()
+    callback = profiled(compiled(form)[0], graphs)
+    assert graphs.after_profiling == graphs.at_fit_start  # profiling compiled no graph
+    assert callback.timing_profile is not None and eager.timing_profile is not None
+    # the fingerprint covers the step's autograd graph: the eager step's, with no `CompiledFunctionBackward`
+    assert callback.timing_profile.fingerprint == eager.timing_profile.fingerprint
+    assert callback.timing_profile.names == eager.timing_profile.names
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_compiled_fit_compiles_one_graph_per_change_of_the_trainable_set(form: str) -> None:
+    """Probe window (every tensor), selection, window, selection: three changes, four graphs, each counted."""
+    model, module = compiled(form)
+    callback = ElasticTensorSelection(
+        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=synthetic_profile(module), calibrate=False
+    )
+    graphs = Graphs()
+    tiny_trainer(callbacks=[callback, graphs], max_steps=10).fit(model, tiny_data())  # type: ignore[arg-type]
+    changes = [k for k in range(1, len(graphs.sets)) if graphs.sets[k] != graphs.sets[k - 1]]
+    assert len(graphs.sets) == 10 and len(changes) == 3
+    assert all(graphs.sets[0]) and not all(graphs.sets[changes[0]])
+    assert compiled_graphs() - graphs.at_fit_start == 4
+    assert callback.summary()["compiled_graphs"] == 4
+
+
+def test_compiled_module_runs_the_new_selection() -> None:
+    callback = elastic()
+    recorder = Recorder()
+    module = TinyNet()
+    compiled = torch.compile(module, backend="aot_eager")
+    tiny_trainer(callbacks=[callback, recorder], max_steps=10).fit(compiled, tiny_data())  # type: ignore[arg-type]
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True))
+    assert any(not all(t) for t in recorder.trainable)
+    changes = sum(1 for a, b in zip(recorder.trainable, recorder.trainable[1:], strict=False) if a != b)
+    graphs = callback.summary()["compiled_graphs"]
+    assert changes == 3 and 1 + changes <= graphs <= 3 * (1 + changes)  # counted, and bounded by the changes
