@@ -36,7 +36,7 @@ from lightning_elastic import reporting
 from lightning_elastic.arguments import PositiveInt, Speedup, speedup_problem
 from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
-from lightning_elastic.freezing import BN_POLICIES, BnPolicy, apply_bn_policy
+from lightning_elastic.freezing import BN_POLICIES, BnPolicy, UserState, apply_bn_policy, freeze_never
 from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingMethod, TimingProfile
@@ -161,6 +161,7 @@ class ElasticTensorSelection(Callback):
         self._fit: FitSession | None = None
         self._first: FirstStep | None = None  # the fit's first step, while it is still to provide the profile
         self._schedule: tuple[Schedule | None, int | None] = (None, None)
+        self._user = UserState()  # what the user had before the fit froze `train_never` (given back at its end)
         self._restored: dict[str, Any] | None = None
 
     @property
@@ -207,15 +208,16 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._fit, self._first = None, None  # each fit starts clean
+        self._fit, self._first, self._user = None, None, UserState()  # each fit starts clean
         unit, probe_steps = self._interval_unit, self._probe_steps
         self._schedule = fit_schedule(trainer, self._interval, unit, probe_steps, self._speedup)
         if self._schedule[0] is None:
             return
         started = self._clock()
+        self._user = freeze_never(pl_module, self._train_always, self._train_never, self._bn_policy)  # before any pass
         restored = self._restored.get("profile") if self._restored else None
         prof = reusable_profile(trainer, pl_module, self._given_profile, restored, self._profile)
-        if prof is None and self._restored is None and not self._train_never and FirstStep.applies(trainer, pl_module):
+        if prof is None and self._restored is None and FirstStep.applies(trainer, pl_module):
             announce_profiling(pl_module, first_step=True)
             self._first = FirstStep(pl_module.device, self._clock)  # profiles during the first step (see FirstStep)
             return
@@ -243,9 +245,8 @@ class ElasticTensorSelection(Callback):
         schedule, total_steps = self._schedule
         assert schedule is not None
         self._profile = prof
-        pins = (self._train_always, self._train_never)
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
-        fit = FitSession.start(trainer, pl_module, prof, schedule, plan, *pins, self._bn_policy, self._clock)
+        fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
         limit = fit.charge_profiling(prof, profile_seconds, self._calibrate)
         self._fit = fit
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
@@ -381,7 +382,8 @@ class ElasticTensorSelection(Callback):
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._fit is not None:
-            self._fit.give_back(pl_module)  # the user's model trains every tensor it did before the fit
+            self._fit.give_back(pl_module)
+        self._user.give_back(pl_module)  # the user's model trains every tensor it did before the fit, however it ended
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

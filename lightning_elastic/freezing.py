@@ -9,6 +9,7 @@ parameters keeps its state for the whole run.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Literal
 
@@ -66,6 +67,46 @@ def pins(
     if all(forbidden):
         raise ElasticConfigError("`train_never` must leave at least one trainable tensor. Found: every tensor excluded")
     return required, forbidden
+
+
+@dataclass(frozen=True)
+class UserState:
+    """What the user had before `freeze_never` changed anything: every flag, and the BatchNorm layers it put in eval
+    mode. `give_back` puts both back when the fit ends, however it ends."""
+
+    flags: tuple[tuple[nn.Parameter, bool], ...] = ()
+    bn_frozen: tuple[str, ...] = ()
+
+    def give_back(self, model: nn.Module) -> None:
+        for param, flag in self.flags:
+            param.requires_grad_(flag)
+        apply_bn_policy(model, "update", self.bn_frozen)
+
+
+def freeze_never(
+    model: nn.Module, train_always: Iterable[str], train_never: Iterable[str], bn_policy: BnPolicy
+) -> UserState:
+    """Freeze the `train_never` tensors of `model` (and their BatchNorm layers under "freeze") as training starts.
+
+    The patterns are checked against every tensor that requires grad, with the errors of `pins`. Frozen this
+    early, a `train_never` tensor is what a tensor the user froze is: the fit's first step and the profile leave it
+    out, and no selection can train it.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> user = freeze_never(layer, [], ["bias"], "update")
+        >>> layer.bias.requires_grad, [flag for _, flag in user.flags]
+        (False, [True, True])
+        >>> user.give_back(layer)
+        >>> layer.bias.requires_grad
+        True
+    """
+    flags = tuple((p, p.requires_grad) for p in model.parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [p for _, p in named]
+    _, forbidden = pins([n for n, _ in named], trainable, train_always, train_never)
+    apply_mask(trainable, [not f for f in forbidden])
+    return UserState(flags, tuple(apply_bn_policy(model, bn_policy)))
 
 
 def apply_mask(params: Sequence[nn.Parameter], mask: Sequence[bool]) -> int:

@@ -3,7 +3,8 @@
 `FitSession` is created as each fit's training starts (so a second fit with the same callback starts clean),
 restored from a checkpoint, and saved into one. It measures every optimizer step (from the end of the one before,
 validation excepted), keeps the importance of every tensor up to date (in probe windows every tensor's, in between
-the trained tensors' own), and gives the user's `requires_grad` flags and BatchNorm modes back when the fit ends.
+the trained tensors' own), and gives the BatchNorm modes it changed back when the fit ends (the user's
+`requires_grad` flags, taken before the fit froze its `train_never` tensors: `freezing.UserState`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class FitSession:
     step_timer: StepTimer
     optimizer_timer: StepTimer
     overhead_timer: StepTimer
-    user_flags: list[tuple[nn.Parameter, bool]]
     bn_policy: BnPolicy
     plan: WallClockPlan
     allreduce: SelectiveAllReduce | None = None
@@ -77,17 +77,19 @@ class FitSession:
     @classmethod
     def start(
         cls,
-        trainer: L.Trainer,
         pl_module: L.LightningModule,
         prof: TimingProfile,
         schedule: Schedule,
         plan: WallClockPlan,
         train_always: Sequence[str],
-        train_never: Sequence[str],
         bn_policy: BnPolicy,
         clock: Callable[[], float],
     ) -> FitSession:
-        """Bind the profile's tensors of `pl_module`, with the pins and what the user froze, as training starts."""
+        """Bind the profile's tensors of `pl_module` and the `train_always` pins, as training starts.
+
+        The `train_never` tensors are frozen by then (`freezing.freeze_never`, which keeps what the user had, to give
+        back): like the tensors the user froze, they do not require grad, so no selection trains them.
+        """
         reason = mismatch(prof, pl_module)
         if reason is not None:
             raise ElasticConfigError(
@@ -96,7 +98,7 @@ class FitSession:
             )
         named = dict(pl_module.named_parameters())
         params = [named[name] for name in prof.names]
-        required, forbidden = pins(prof.names, params, train_always, train_never)
+        required, forbidden = pins(prof.names, params, train_always, ())
         sparse = {
             f"{prefix}.{name}" if prefix else name
             for prefix, module in pl_module.named_modules()
@@ -120,7 +122,6 @@ class FitSession:
             step_timer=StepTimer(device, clock),
             optimizer_timer=StepTimer(device, clock),
             overhead_timer=StepTimer(device, clock),
-            user_flags=[(p, p.requires_grad) for p in pl_module.parameters()],
             bn_policy=bn_policy,
             plan=plan,
             latest=[0.0] * len(params),
@@ -307,9 +308,7 @@ class FitSession:
     # ------------------------------------------------------------------ the end of the fit, and checkpoints
 
     def give_back(self, pl_module: nn.Module) -> None:
-        """The user's `requires_grad` flags and BatchNorm modes, as they were when the fit started."""
-        for param, flag in self.user_flags:
-            param.requires_grad_(flag)
+        """The BatchNorm modes the fit changed, as the user had them (`freezing.UserState` gives the flags back)."""
         self.bn_frozen = apply_bn_policy(pl_module, "update", self.bn_frozen)
 
     def state_dict(self) -> dict[str, Any]:

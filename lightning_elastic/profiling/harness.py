@@ -110,8 +110,9 @@ class FirstStep:
 
     Only for one process running an eager module (`applies`): under DDP the wrapper adds its own nodes to the step's
     graph, and a compiled module's hooks are traced, not run. The callback also needs a fit that starts afresh (a
-    resumed one restores a selection) with no `train_never` tensors (the first step would train them). Otherwise
-    profiling takes its own pass as training starts.
+    resumed one restores a selection). Otherwise profiling takes its own pass as training starts. `train_never`
+    tensors are frozen before the first step (`freezing.freeze_never`): it does not train them, and the profile,
+    like any profile, covers the tensors that require grad.
     """
 
     def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:

@@ -131,3 +131,81 @@ def test_a_callback_off_in_a_fast_dev_run_selects_in_the_next_fit() -> None:
     fit([callback, recorder], max_epochs=2)
     assert [r.epoch for r in callback.history] == [0, 1]
     assert any(not all(t) for t in recorder.trainable)  # selected steps between the probe windows
+
+
+class RaisesInItsStep(TinyNet):
+    """`training_step` raises at optimizer step `at_step`, after its forward pass."""
+
+    def __init__(self, at_step: int) -> None:
+        super().__init__()
+        self.at_step = at_step
+        self.hooked: list[int] = []  # modules with forward pre-hooks as the step raises
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.at_step:
+            self.hooked.append(sum(bool(m._forward_pre_hooks) for m in self.modules()))
+            raise RuntimeError("simulated crash")
+        return loss
+
+
+class RaisesAfterBackward(Callback):
+    """Raises at the first step's `on_after_backward`: before the elastic callback (after it in the list) sees it."""
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise RuntimeError("simulated crash")
+
+
+def users_model(module: TinyNet) -> TinyNet:
+    module.net[0].bias.requires_grad_(False)  # frozen by the user
+    return module
+
+
+def is_as_the_user_had_it(module: TinyNet) -> bool:
+    flags = [p.requires_grad for p in module.parameters()]
+    return flags == [n != "net.0.bias" for n, _ in module.named_parameters()] and all(
+        m.training for m in module.modules()
+    )
+
+
+@pytest.mark.parametrize("raiser", ["callback", "training_step"])
+def test_a_fit_that_raises_mid_fit_gives_the_model_back(raiser: str) -> None:
+    """Step 3 raises with the selection of step 2 in force and `net.1` (BatchNorm, `train_never`) in eval mode."""
+    module = users_model(RaisesInItsStep(at_step=3) if raiser == "training_step" else TinyNet())
+    callback = elastic(train_never=["net.1.*"], bn_policy="freeze")
+    recorder = Recorder()
+    modes: list[bool] = []
+
+    class Modes(Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            modes.append(module.net[1].training)
+
+    callbacks = [callback, recorder, Modes()] + ([Crash(at_step=3)] if raiser == "callback" else [])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tiny_trainer(callbacks=callbacks, max_steps=8).fit(module, tiny_data())
+    assert recorder.steps == [0, 1, 2, 3] and [r.step for r in callback.history] == [2]
+    names = [n for n, _ in module.named_parameters()]
+    candidates = [k for k, n in enumerate(names) if n != "net.0.bias" and not n.startswith("net.1.")]
+    assert all(recorder.trainable[1][k] for k in candidates)  # the probe window trained every candidate
+    assert not all(recorder.trainable[3][k] for k in candidates)  # the selection of step 2 froze some
+    assert modes == [False] * 4
+    assert is_as_the_user_had_it(module)
+
+
+@pytest.mark.parametrize("raiser", ["training_step", "on_after_backward"])
+def test_a_first_step_that_raises_before_its_update_gives_the_model_back(raiser: str) -> None:
+    """Profiling deferred to the first step, which raises before its update: the `train_never` tensors and the
+    BatchNorm layer put in eval mode as training started are given back, and no recording hook is left."""
+    module = users_model(RaisesInItsStep(at_step=0 if raiser == "training_step" else -1))
+    before = [p.detach().clone() for p in module.parameters()]
+    callback = ElasticTensorSelection(
+        speedup=1.05, probe_steps=2, cache_dir=False, calibrate=False, train_never=["net.1.*"], bn_policy="freeze"
+    )
+    callbacks = [RaisesAfterBackward(), callback] if raiser == "on_after_backward" else [callback]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tiny_trainer(callbacks=callbacks, max_steps=8).fit(module, tiny_data())
+    assert callback.timing_profile is None and callback._fit is None  # it raised inside the deferred first step
+    assert module.hooked == ([len(list(module.modules()))] if raiser == "training_step" else [])
+    assert all(not m._forward_pre_hooks for m in module.modules())
+    assert is_as_the_user_had_it(module)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))

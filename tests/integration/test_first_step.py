@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.runner import Runner
+from tests.integration.test_callback import Recorder
 from tests.integration.tiny import TinyNet, tiny_data, tiny_trainer
 
 
@@ -138,3 +139,81 @@ def test_a_first_step_that_skips_its_backward_pass_leaves_profiling_to_the_next(
     trainer.fit(SkipsFirst(), tiny_data())
     assert callback.timing_profile is not None
     assert callback._fit is not None and len(callback.history) >= 1
+
+
+NEVER = ("net.0.weight", "net.0.bias")
+USER_FROZEN = "net.6.bias"
+
+
+def counted_with_a_frozen_tensor() -> Counted:
+    module = Counted()
+    module.net[6].bias.requires_grad_(False)  # frozen by the user: given back frozen
+    return module
+
+
+def flags(module: nn.Module) -> dict[str, bool]:
+    return {name: p.requires_grad for name, p in module.named_parameters()}
+
+
+def as_the_user_had_them(module: nn.Module) -> dict[str, bool]:
+    return {name: name != USER_FROZEN for name, _ in module.named_parameters()}
+
+
+def test_train_never_is_frozen_before_the_first_step_which_profiles_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first step trains every tensor but the `train_never` ones, and is still the fingerprint's pass; the
+    profile covers the tensors it trained; the user's flags come back; a second run reads the cache."""
+    signatures: list[int] = []
+    own_pass = Runner.signature
+    monkeypatch.setattr(Runner, "signature", lambda self: signatures.append(1) or own_pass(self))
+    callback, recorder = elastic(tmp_path, train_never=["net.0.*"]), Recorder()
+    module = counted_with_a_frozen_tensor()
+    names = [n for n, _ in module.named_parameters()]
+    tiny_trainer(callbacks=[callback, recorder], max_steps=8).fit(module, tiny_data())
+    assert signatures == []  # no fingerprint pass: the first step's own
+    assert recorder.steps == list(range(8))
+    trained_at_first_step = [n not in NEVER and n != USER_FROZEN for n in names]
+    assert list(recorder.trainable[0]) == trained_at_first_step
+    assert list(recorder.changed[0]) == trained_at_first_step  # step 0's update moved exactly those
+    never = [names.index(n) for n in NEVER]
+    assert not any(step[k] for step in recorder.trainable + recorder.changed for k in never)  # at no step
+    profile = callback.timing_profile
+    assert profile is not None and set(profile.names) == {n for n, t in zip(names, trained_at_first_step, strict=True) if t}
+    assert callback._fit is not None and not any(callback._fit.forbidden)  # nothing else to forbid
+    assert flags(module) == as_the_user_had_them(module)
+    assert len(list(tmp_path.glob("timing-*.json"))) == 1
+
+    again, cached = counted_with_a_frozen_tensor(), elastic(tmp_path, train_never=["net.0.*"])
+    tiny_trainer(callbacks=[cached], max_steps=8).fit(again, tiny_data())
+    assert again.calls == 8 and signatures == []  # the cache was hit with the first step's fingerprint
+    assert cached.timing_profile == profile
+    assert flags(again) == as_the_user_had_them(again)
+
+
+def test_a_second_fit_with_train_never_keeps_the_profile_of_the_first() -> None:
+    """The second fit's stale check runs the profiler's own fingerprint pass with the `train_never` tensors frozen
+    again, as the first step ran: it finds the same step and keeps the profile."""
+    callback, module = elastic(False, train_never=["net.0.*"]), counted_with_a_frozen_tensor()
+    tiny_trainer(callbacks=[callback], max_steps=4).fit(module, tiny_data())
+    first = callback.timing_profile
+    calls = module.calls
+    tiny_trainer(callbacks=[callback], max_steps=4).fit(module, tiny_data())
+    assert first is not None and callback.timing_profile is first
+    assert module.calls == calls + 4 + 1  # four steps and the stale check's one pass: nothing profiled again
+    assert flags(module) == as_the_user_had_them(module)
+
+
+def test_train_never_patterns_are_checked_before_the_first_step() -> None:
+    module = Counted()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ElasticConfigError, match=r"`train_never` patterns must each match .* Found patterns matching "
+                       r"nothing: \['nett\.\*'\]"):
+        tiny_trainer(callbacks=[elastic(False, train_never=["nett.*"])], max_steps=4).fit(module, tiny_data())
+    assert module.calls == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    with pytest.raises(ElasticConfigError, match=r"`train_always` must not name tensors that `train_never` names"):
+        tiny_trainer(
+            callbacks=[elastic(False, train_always=["net.0.bias"], train_never=["net.0.*"])], max_steps=4
+        ).fit(module, tiny_data())
+    assert all(p.requires_grad for p in module.parameters())
