@@ -134,16 +134,21 @@ def test_a_callback_off_in_a_fast_dev_run_selects_in_the_next_fit() -> None:
 
 
 class RaisesInItsStep(TinyNet):
-    """`training_step` raises at optimizer step `at_step`, after its forward pass."""
+    """`training_step` raises at optimizer step `at_step` of the training loop (not in a profiling pass), after its
+    forward pass."""
 
     def __init__(self, at_step: int) -> None:
         super().__init__()
         self.at_step = at_step
+        self.loop_step: int | None = None  # Lightning's step under way; profiling passes in `on_train_start` run none
         self.hooked: list[int] = []  # modules with forward pre-hooks as the step raises
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.loop_step = self.global_step
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        if self.global_step == self.at_step:
+        if self.loop_step == self.at_step:
             self.hooked.append(sum(bool(m._forward_pre_hooks) for m in self.modules()))
             raise RuntimeError("simulated crash")
         return loss
@@ -170,8 +175,8 @@ def is_as_the_user_had_it(module: TinyNet) -> bool:
 
 @pytest.mark.parametrize("raiser", ["callback", "training_step"])
 def test_a_fit_that_raises_mid_fit_gives_the_model_back(raiser: str) -> None:
-    """Step 3 raises with the selection of step 2 in force and `net.1` (BatchNorm, `train_never`) in eval mode."""
-    module = users_model(RaisesInItsStep(at_step=3) if raiser == "training_step" else TinyNet())
+    """Step 5 raises with the selection of step 4 in force and `net.1` (BatchNorm, `train_never`) in eval mode."""
+    module = users_model(RaisesInItsStep(at_step=5) if raiser == "training_step" else TinyNet())
     callback = elastic(train_never=["net.1.*"], bn_policy="freeze")
     recorder = Recorder()
     modes: list[bool] = []
@@ -180,15 +185,15 @@ def test_a_fit_that_raises_mid_fit_gives_the_model_back(raiser: str) -> None:
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
             modes.append(module.net[1].training)
 
-    callbacks = [callback, recorder, Modes()] + ([Crash(at_step=3)] if raiser == "callback" else [])
+    callbacks = [callback, recorder, Modes()] + ([Crash(at_step=5)] if raiser == "callback" else [])
     with pytest.raises(RuntimeError, match="simulated crash"):
         tiny_trainer(callbacks=callbacks, max_steps=8).fit(module, tiny_data())
-    assert recorder.steps == [0, 1, 2, 3] and [r.step for r in callback.history] == [2]
+    assert recorder.steps == [0, 1, 2, 3, 4, 5] and [r.step for r in callback.history] == [4]  # window: steps 0-3
     names = [n for n, _ in module.named_parameters()]
     candidates = [k for k, n in enumerate(names) if n != "net.0.bias" and not n.startswith("net.1.")]
     assert all(recorder.trainable[1][k] for k in candidates)  # the probe window trained every candidate
-    assert not all(recorder.trainable[3][k] for k in candidates)  # the selection of step 2 froze some
-    assert modes == [False] * 4
+    assert not all(recorder.trainable[5][k] for k in candidates)  # the selection of step 4 froze some
+    assert modes == [False] * 6
     assert is_as_the_user_had_it(module)
 
 
