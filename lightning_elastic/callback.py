@@ -63,7 +63,7 @@ class ElasticTensorSelection(Callback):
     into it. Within a step's share, an exact dynamic program picks the tensors of greatest total importance (the
     loss drop their real updates bring); the others get `requires_grad=False`, so autograd skips their weight
     gradients and stops at the deepest selected tensor. Any tensor may leave or rejoin at each selection.
-    A speedup this fit cannot reach is refused before training, with the reachable figure.
+    A speedup this fit cannot reach is refused before the first update, with the reachable figure.
 
     Args:
         speedup: how many times faster the training part of the fit should be; > 1.
@@ -219,7 +219,7 @@ class ElasticTensorSelection(Callback):
         prof = reusable_profile(trainer, pl_module, self._given_profile, restored, self._profile)
         if prof is None and self._restored is None and FirstStep.applies(trainer, pl_module):
             announce_profiling(pl_module, first_step=True)
-            self._first = FirstStep(pl_module.device, self._clock)  # profiles during the first step (see FirstStep)
+            self._first = FirstStep(pl_module.device, self._clock, self._clock() - started)  # see FirstStep
             return
         if prof is None:
             announce_profiling(pl_module, first_step=False)
@@ -235,7 +235,7 @@ class ElasticTensorSelection(Callback):
         self._first = None
         started = self._clock()
         prof = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir), first)
-        fit = self._begin(trainer, pl_module, prof, self._clock() - started)
+        fit = self._begin(trainer, pl_module, prof, self._clock() - started + first.setup_seconds)
         fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
 
     def _begin(
@@ -289,11 +289,6 @@ class ElasticTensorSelection(Callback):
             fit.open_probe(trainer, end)
         for name, value in reporting.progress_metrics(fit.probe_end is not None, fit.mask).items():
             pl_module.log(name, value, prog_bar=True, logger=False, batch_size=1)  # the progress bar only
-
-    @override
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if self._first is not None:
-            self._first.before_backward(loss)
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -384,6 +379,7 @@ class ElasticTensorSelection(Callback):
         if self._fit is not None:
             self._fit.give_back(pl_module)
         self._user.give_back(pl_module)  # the user's model trains every tensor it did before the fit, however it ended
+        self._user = UserState()  # once: a later call that fails (validate, test) must not give back this fit's flags
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

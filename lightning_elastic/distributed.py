@@ -322,7 +322,8 @@ def register_selective_allreduce(model: DistributedDataParallel) -> SelectiveAll
 def install_selective_allreduce(strategy: Strategy) -> SelectiveAllReduce | None:
     """Under DDP: forget the profiler's backward passes and register `selective_allreduce_hook`.
 
-    Call it from `on_train_start`, after profiling and after a checkpoint's selection is applied. The reducer's
+    Call it once profiling is done (under DDP that is in `on_train_start`) and after a checkpoint's selection is
+    applied. The reducer's
     record of used tensors is cleared in every case under DDP (correctness); the hook is registered unless the
     strategy registered its own `ddp_comm_hook` (DDP takes one). Returns the hook's state (bytes sent), or None.
 

@@ -136,12 +136,18 @@ class FitSession:
         return reach(model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full)
 
     def enter_at_step(self, trainer: L.Trainer, seconds: float) -> None:
-        """Begin inside an optimizer step (the fit's first, whose pass keyed the profile): charge its `seconds` up to
-        the update, and open the probe window it lies in, so its update is measured like any probe step's."""
-        self.plan.spend(seconds)
+        """Begin inside an optimizer step (the first whose pass keyed the profile): charge its `seconds` up to the
+        update, with any earlier steps whose `training_step` returned None, and open the probe window it lies in
+        (a window from here if those steps used up the first), so that its update measures importance. Being the
+        first step of the process, it is a warm-up step: charged, never a sample of `T`."""
+        step = trainer.global_step
+        self.plan.spend(seconds, steps=step)  # steps skipped before it; this one counts when it ends
         self.totals["warmup_seconds"] += seconds
-        self.step_at_batch_start = step = trainer.global_step
-        if self.probe_end is None and (end := self.schedule.window_end(step)) is not None:
+        self.step_at_batch_start = step
+        end = self.schedule.window_end(step)
+        if end is None and not self.history and step > 0:
+            end = step + self.schedule.probe_steps
+        if self.probe_end is None and end is not None:
             self.open_probe(trainer, end)
         self.step_timer.start()
 

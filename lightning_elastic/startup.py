@@ -26,7 +26,7 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     lazy = [n for n, p in pl_module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise ElasticConfigError(
-            "`ElasticTensorSelection` profiles every parameter before training, so lazy modules must be "
+            "`ElasticTensorSelection` profiles every parameter as training starts, so lazy modules must be "
             "materialised first (run one batch through the model, e.g. in `setup`). Found uninitialised: "
             f"{lazy[:5]}"
         )

@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -108,48 +109,67 @@ class FirstStep:
     own for the fingerprint, and a speedup out of reach is still refused before any parameter changes. Its seconds up
     to the update (`timer`) are the first step's, charged to the fit.
 
-    Only for one process running an eager module (`applies`): under DDP the wrapper adds its own nodes to the step's
-    graph, and a compiled module's hooks are traced, not run. The callback also needs a fit that starts afresh (a
-    resumed one restores a selection). Otherwise profiling takes its own pass as training starts. `train_never`
-    tensors are frozen before the first step (`freezing.freeze_never`): it does not train them, and the profile,
-    like any profile, covers the tensors that require grad.
+    Only for one process running an eager module (`applies`: Lightning's single-device strategy): under DDP, even on
+    one device, the wrapper adds its own nodes to the step's graph, and a compiled module's hooks are traced, not
+    run. The callback also needs a fit that starts afresh (a resumed one restores a selection). Otherwise profiling
+    takes its own pass as training starts. `train_never` tensors are frozen before the first step
+    (`freezing.freeze_never`): it does not train them, and the profile, like any profile, covers the tensors that
+    require grad. The key is the first batch's: inputs whose shapes vary from batch to batch (padding to the longest
+    sequence) key a new profile whenever the first batch's shapes differ.
     """
 
-    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
+    def __init__(self, device: torch.device, clock: Callable[[], float], setup_seconds: float = 0.0) -> None:
         self.timer = StepTimer(device, clock)
+        self.setup_seconds = setup_seconds  # what the callback spent as training started, charged with profiling
         self.batch: Any = None
         self.signature: dict[str, Any] | None = None
         self._recorder: StepSignature | None = None
+        self._module: L.LightningModule | None = None
+        self._own_step: Any = None
 
     @staticmethod
     def applies(trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
-        return trainer.world_size == 1 and not is_compiled(pl_module)
+        return isinstance(trainer.strategy, SingleDeviceStrategy) and not is_compiled(pl_module)
 
     def batch_start(self, pl_module: L.LightningModule, batch: Any) -> None:
-        """A step's first micro-batch starts: record it (until one step has recorded a whole signature)."""
-        if self.signature is None and self._recorder is None:
-            self.batch = batch
-            self._recorder = StepSignature(pl_module)
+        """A step's first micro-batch starts: record it (until one step has recorded a whole signature).
 
-    def before_backward(self, loss: Tensor) -> None:
-        """The loss Lightning is about to differentiate: the `training_step`'s, divided by the micro-batches of the
-        step (by 1 too). That division is Lightning's, not the step's: the signature starts below it."""
-        if self._recorder is not None and not self._recorder.complete:
-            root = loss.grad_fn
-            if root is not None and root.name().startswith("DivBackward") and root.next_functions:
-                root = root.next_functions[0][0]
-            self._recorder.loss(root)
+        The loss's graph is taken from what `training_step` returns, as the profiler's own pass takes it, not from
+        the loss Lightning differentiates (divided by the micro-batches, scaled by a mixed-precision scaler).
+        """
+        if self.signature is not None or self._recorder is not None:
+            return
+        self.batch, self._module = batch, pl_module
+        recorder = self._recorder = StepSignature(pl_module)
+        self._own_step = vars(pl_module).get("training_step")
+        step = pl_module.training_step
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            output = step(*args, **kwargs)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if isinstance(loss, Tensor) and not recorder.complete:
+                recorder.loss(loss.grad_fn)
+            return output
+
+        pl_module.training_step = recorded  # type: ignore[method-assign]
 
     def after_backward(self) -> None:
         if self._recorder is not None and self._recorder.complete:
-            self._recorder.close()
-            self.signature, self._recorder = self._recorder.signature(), None
+            signature = self._recorder.signature()
+            self.close()
+            self.signature = signature
 
     def close(self) -> None:
-        """Drop a recording that did not reach a backward pass (`training_step` returned None, or the fit failed)."""
+        """End a recording (a step that ran no backward pass, because `training_step` returned None, or failed)."""
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
+        if self._module is not None:
+            if self._own_step is None:
+                vars(self._module).pop("training_step", None)
+            else:
+                self._module.training_step = self._own_step  # type: ignore[method-assign]
+            self._module = None
 
 
 def _phase_lines(clock: Callable[[], float] = time.perf_counter) -> Progress:

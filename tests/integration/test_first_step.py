@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling.harness import FirstStep
 from lightning_elastic.profiling.runner import Runner
 from tests.integration.test_callback import Recorder
 from tests.integration.tiny import TinyNet, tiny_data, tiny_trainer
@@ -40,7 +42,8 @@ class Counted(TinyNet):
 
 
 def elastic(cache_dir: Path | bool, **kwargs: Any) -> ElasticTensorSelection:
-    settings: dict[str, Any] = dict(speedup=1.05, probe_steps=2, interval=1, calibrate=False, cache_dir=cache_dir)
+    # 1.001: reachable however busy the machine (the point is where profiling runs, not the budget)
+    settings: dict[str, Any] = dict(speedup=1.001, probe_steps=2, interval=1, calibrate=False, cache_dir=cache_dir)
     settings.update(kwargs)
     return ElasticTensorSelection(**settings)
 
@@ -217,3 +220,51 @@ def test_train_never_patterns_are_checked_before_the_first_step() -> None:
             callbacks=[elastic(False, train_always=["net.0.bias"], train_never=["net.0.*"])], max_steps=4
         ).fit(module, tiny_data())
     assert all(p.requires_grad for p in module.parameters())
+
+
+def test_a_scaled_mixed_precision_loss_keys_the_same_step_as_the_profilers_own_pass() -> None:
+    """A GradScaler multiplies the loss Lightning differentiates; the key comes from what `training_step` returned."""
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    module, callback = Counted(), elastic(False)
+    tiny_trainer(callbacks=[callback], max_steps=3, plugins=[scaler]).fit(module, tiny_data())
+    first = callback.timing_profile
+    tiny_trainer(callbacks=[callback], max_steps=3, plugins=[scaler]).fit(module, tiny_data())
+    assert first is not None and callback.timing_profile is first
+
+
+def test_ddp_on_one_device_profiles_as_training_starts() -> None:
+    """DDP's wrapper adds its own node to the step's graph: only the single-device strategy profiles in the step."""
+    module = Counted()
+    assert FirstStep.applies(tiny_trainer(), module)
+    assert not FirstStep.applies(tiny_trainer(strategy="ddp", devices=1), module)
+
+
+def test_first_steps_that_skip_their_backward_pass_still_leave_a_probe_window_and_every_step_counted() -> None:
+    class SkipsTwo(Counted):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+            loss = super().training_step(batch, batch_idx)
+            return None if self.trainer.global_step < 2 and self.calls <= 2 else loss
+
+    callback = elastic(False)
+    trainer = tiny_trainer(callbacks=[callback], max_steps=16)  # two epochs of 8 steps
+    trainer.fit(SkipsTwo(), tiny_data())
+    fit = callback._fit
+    assert fit is not None and fit.plan.steps_done == trainer.global_step == 16
+    # the first window (steps 0-1) was skipped: one opens at step 2, and its selection comes as epoch 1 starts
+    assert [r.step for r in callback.history] == [8]
+    assert fit.plan.full_samples == 1 + 2  # step 3 of the window from step 2, and the window before step 8
+
+
+def test_a_failing_call_after_the_fit_does_not_give_back_the_fits_flags() -> None:
+    module, callback = Counted(), elastic(False)
+    trainer = tiny_trainer(callbacks=[callback], max_steps=3)
+    trainer.fit(module, tiny_data())
+    module.net[0].weight.requires_grad_(False)  # the user freezes a tensor after the fit
+
+    class Fails(Callback):
+        def on_fit_start(self, *args: Any) -> None:
+            raise RuntimeError("the next fit fails before training starts")
+
+    with pytest.raises(RuntimeError, match="the next fit fails"):
+        tiny_trainer(callbacks=[callback, Fails()], max_steps=3).fit(module, tiny_data())
+    assert not module.net[0].weight.requires_grad
