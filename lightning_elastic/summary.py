@@ -159,8 +159,10 @@ def shortfall(summary: FitSummary, history: Sequence[SelectionRecord]) -> str:
     Example:
         >>> s = fit_summary([], WallClockPlan(2.0, 100, 1.0, spent=80.0, steps_done=100), {"profile_seconds": 30.0},
         ...     [], [], target_speedup=2.0)
-        >>> s.fit_speedup, s.shortfall.split(";")[0]
-        (1.25, 'profiling took 30.0 s (38% of the fit): the profile is cached, so the next run on this device skips it')
+        >>> s.fit_speedup, s.shortfall.split(":")[0]
+        (1.25, 'profiling took 30.0 s (38% of the fit)')
+        >>> s.shortfall.split(": ")[1].split(";")[0]
+        'with the profile cache on (`cache_dir`, the default) the next run on this device skips it'
     """
     s = summary
     if not math.isfinite(s.fit_speedup) or s.fit_speedup >= s.target_speedup * (1 - MET_WITHIN):
@@ -169,7 +171,7 @@ def shortfall(summary: FitSummary, history: Sequence[SelectionRecord]) -> str:
     if s.profile_seconds > 0.05 * s.spent_seconds:
         reasons.append(
             f"profiling took {s.profile_seconds:.1f} s ({s.profile_seconds / s.spent_seconds:.0%} of the fit): "
-            "the profile is cached, so the next run on this device skips it"
+            "with the profile cache on (`cache_dir`, the default) the next run on this device skips it"
         )
     if s.probe_seconds > 0.10 * s.spent_seconds:
         reasons.append(
