@@ -5,8 +5,9 @@ profiling on the first batch (no cache: a first run on the machine), and times e
 the profiler's functions: the first batch, the snapshot of the model, the fingerprint's pass, each instrumented pass,
 attribution, the plain timings of calibration (each pass), the cache, garbage collection (inside the others), and
 the whole on the callback's clock. Figures are in seconds and in full steps (the profile's plain forward + full
-backward). The training steps that follow are timed too; ``--baseline`` times the same fit without the callback,
-whose first step carries the process's warm-up.
+backward). The training steps are timed too (the first holds the profile when it runs inside that step);
+``--baseline`` times the same fit without the callback, whose first step carries the process's warm-up, and tells
+whether a fresh process runs its first steps slower than later ones (it did not, docs/results.md).
 
 Run (the figures in docs/time_model.md; each run is a fresh process, as a first fit is)::
 
@@ -55,7 +56,7 @@ def timed(owner: Any, name: str, label: str) -> None:
 
 
 def instrument() -> None:
-    timed(callback, "current_profile", "total (the callback's clock)")
+    timed(callback, "measure_profile", "total (the callback's clock)")
     timed(harness, "_first_batch", "first batch")
     timed(state.ModelState, "__init__", "model snapshot")
     timed(state.ModelState, "restore", "model restore")
@@ -76,7 +77,7 @@ def instrument() -> None:
     timed(attribution.Structure, "costs", "attribution: costs")
     timed(runner, "calibration_knots", "calibration knots")
     timed(runner, "calibrate", "calibration fit")
-    timed(runner.Runner, "_suffix_times", "plain timings (calibration)")
+    timed(runner, "suffix_times", "plain timings (calibration)")
     timed(runner.Runner, "plain", "  of which plain passes")
     timed(runner, "store", "cache write")
     timed(runner, "load_cached", "cache read")

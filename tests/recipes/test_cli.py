@@ -29,6 +29,14 @@ def test_no_recipe_shadows_a_standard_module() -> None:
     assert {path.stem for path in (REPO / "benchmarks").glob("*.py")} & set(sys.stdlib_module_names) == set()
 
 
+def test_profile_cost_wraps_functions_the_library_still_has() -> None:
+    """benchmarks/profile_cost.py times the profiler by wrapping its functions by name: a rename breaks it."""
+    code = "import runpy; runpy.run_path('benchmarks/profile_cost.py', run_name='bench')['instrument']()"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def run_recipe(script: str, *overrides: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, f"recipes/{script}", *overrides]
