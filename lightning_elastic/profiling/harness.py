@@ -146,8 +146,7 @@ class FirstStep:
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
             output = step(*args, **kwargs)
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if isinstance(loss, Tensor) and not recorder.complete:
+            if (loss := _loss_in(output)) is not None and not recorder.complete:
                 recorder.loss(loss.grad_fn)
             return output
 
@@ -219,10 +218,16 @@ def _training_step(
         yield compute_loss
 
 
+def _loss_in(output: Any) -> Tensor | None:
+    """The loss a `training_step` returned (a tensor, or a mapping with "loss"); None when it returned none."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return loss if isinstance(loss, Tensor) else None
+
+
 def _loss_of(output: Any) -> Tensor:
-    """The loss a `training_step` returned (a tensor, or a mapping with "loss")."""
-    loss = output["loss"] if isinstance(output, dict) else output
-    if not isinstance(loss, Tensor):
+    """The loss a `training_step` returned, which profiling needs."""
+    loss = _loss_in(output)
+    if loss is None:
         raise ElasticConfigError(
             "`ElasticTensorSelection` profiles the real training step, so `training_step` must return the loss "
             f"(a tensor or a dict with 'loss'). Found: {type(output).__name__}"
