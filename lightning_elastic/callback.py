@@ -69,7 +69,7 @@ class ElasticTensorSelection(Callback):
         speedup: how many times faster the training part of the fit should be; > 1.
         interval: re-select every `interval` epochs or optimizer steps (see `interval_unit`).
         interval_unit: "epoch" (re-select as an epoch starts) or "step".
-        probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (3%) of
+        probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (4%) of
             the fit; or the steps of every window, each full training steps that measure every tensor's importance.
         time_model: "measured" (per-tensor times profiled on this device) or "flops" (analytic fallback).
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
@@ -322,6 +322,8 @@ class ElasticTensorSelection(Callback):
                 self._select_and_apply(trainer, pl_module)
         elif self._interval_unit == "step" and fit.schedule.selects_at(step):
             self._select_and_apply(trainer, pl_module)
+        elif self._calibrate and fit.off_plan(trainer):
+            self._select_and_apply(trainer, pl_module, replanned=True)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -330,7 +332,7 @@ class ElasticTensorSelection(Callback):
 
     # ------------------------------------------------------------------ 4. select and 5. apply
 
-    def _select_and_apply(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _select_and_apply(self, trainer: L.Trainer, pl_module: L.LightningModule, replanned: bool = False) -> None:
         fit, profile = self._fit, self._profile
         assert fit is not None and profile is not None
         started = self._clock()
@@ -348,7 +350,7 @@ class ElasticTensorSelection(Callback):
         select_seconds = self._clock() - started
         fit.apply(pl_module, decision.mask)
         apply_seconds = self._clock() - started - select_seconds
-        record = SelectionRecord(trainer.global_step, trainer.current_epoch, decision, full_seconds=terms.full)
+        record = SelectionRecord(trainer.global_step, trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
         self._log_selection(trainer, record, select_seconds, terms.optimizer)
 

@@ -32,8 +32,12 @@ from lightning_elastic.time_model import StepTimeModel
 CORRECTION_RATE = 0.5
 # A ratio outside these bounds says the measurement, not the time model, is wrong (e.g. a step paused by the OS).
 CORRECTION_BOUNDS = (0.25, 4.0)
-# Auto probe windows: their extra cost stays within this share of the planned fit ...
-PROBE_SHARE = 0.03
+# A probe step that took more than this many times the window's median was paused (by the OS, another process, a
+# garbage collection): with 3 or 4 steps a window, one such step would move `T` by a third. Not a sample of `T`.
+PAUSED = 2.0
+# Auto probe windows: their extra cost stays within this share of the planned fit (4%: on a 228-step fit at 2x,
+# two windows, whose 7 steps pin `T` where one window's 3 were 11% off the full fit's step, sd over 16 runs) ...
+PROBE_SHARE = 0.04
 # ... in windows of this many steps (shorter only when the fit is too short for one).
 PROBE_WINDOW = 4
 
@@ -62,9 +66,9 @@ def auto_probe_plan(total_steps: int | None, selections: int | None, speedup: fl
 
     Example:
         >>> auto_probe_plan(total_steps=600, selections=10, speedup=2.0)
-        ProbePlan(steps=4, every=3)
-        >>> auto_probe_plan(total_steps=100, selections=5, speedup=2.0)
-        ProbePlan(steps=3, every=5)
+        ProbePlan(steps=4, every=2)
+        >>> auto_probe_plan(total_steps=50, selections=5, speedup=2.0)
+        ProbePlan(steps=2, every=5)
     """
     if total_steps is None or selections is None:
         return ProbePlan(steps=PROBE_WINDOW)
@@ -97,7 +101,7 @@ def plan_schedule(
 
     Example:
         >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100)
-        Schedule(interval=1, unit='epoch', probe_steps=3, steps_per_epoch=(20,), probe_every=5, total_steps=100)
+        Schedule(interval=1, unit='epoch', probe_steps=4, steps_per_epoch=(20,), probe_every=5, total_steps=100)
         >>> plan_schedule(2, "step", 2, 2.0, steps_per_epoch=(20,), total_steps=100).message[:43]
         '`probe_steps` must be fewer than the optimi'
     """
@@ -303,12 +307,20 @@ class WallClockPlan:
         self.overhead += seconds
 
     def observe_full_steps(self, seconds: list[float]) -> None:
-        """Probe steps train every tensor, so they measure `T`: the mean over every probe step so far."""
+        """Probe steps train every tensor, so they measure `T`: the mean over every probe step so far, leaving out
+        steps that took more than `PAUSED` times their window's median (they were paused, not slow)."""
+        if seconds:
+            middle = sorted(seconds)[(len(seconds) - 1) // 2]
+            seconds = [s for s in seconds if s <= PAUSED * middle]
         if not seconds:
             return
         previous = self.full_step * self.full_samples
         self.full_samples += len(seconds)
         self.full_step = (previous + math.fsum(seconds)) / self.full_samples
+
+    def expected(self, predicted: float) -> float:
+        """Seconds a step that the time model predicts at `predicted` measures, as the plan has learnt it."""
+        return self.correction * predicted
 
     def observe_selected_steps(self, measured: float, predicted: float) -> None:
         """Move the correction towards an interval's measured / predicted (uncorrected) step seconds."""

@@ -101,6 +101,8 @@ class SelectionRecord:
         decision: the decision.
         full_seconds: the full training step's seconds that the decision was made against.
         measured_seconds: the measured seconds of every step trained under it (filled when its interval closes).
+        replanned: True when it replaced a selection whose first steps measured off the plan (`FitSession.off_plan`),
+            not at a scheduled selection.
 
     Example:
         >>> record = SelectionRecord(4, 1, Decision(Mask.of([True]), (0.5,), 0.2, 0.25), full_seconds=0.5)
@@ -113,6 +115,7 @@ class SelectionRecord:
     decision: Decision
     full_seconds: float
     measured_seconds: tuple[float, ...] = field(default=())
+    replanned: bool = False
 
     @property
     def mask(self) -> Mask:
@@ -138,6 +141,7 @@ class SelectionRecord:
             "starved": d.starved,
             "full_seconds": self.full_seconds,
             "measured_seconds": list(self.measured_seconds),
+            "replanned": self.replanned,
         }
 
     @classmethod
@@ -157,6 +161,7 @@ class SelectionRecord:
             ),
             full_seconds=float(data["full_seconds"]),
             measured_seconds=tuple(float(s) for s in data.get("measured_seconds", data.get("selected_steps", []))),
+            replanned=bool(data.get("replanned", False)),
         )
 
 

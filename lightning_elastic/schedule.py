@@ -98,6 +98,24 @@ class Schedule:
                 count += len(range(max(window.start, start), min(window.stop, end)))
         return count
 
+    def steps_to_next_change(self, step: int) -> float:
+        """Optimizer steps from `step` until the trainable set changes as scheduled: a probe window opens, a
+        selection comes into force, or the fit ends (`math.inf` when none is known).
+
+        Example:
+            >>> schedule = Schedule(interval=10, unit="step", probe_steps=2, probe_every=2, total_steps=35)
+            >>> schedule.steps_to_next_change(4), schedule.steps_to_next_change(12), schedule.steps_to_next_change(31)
+            (6, 6, 4)
+        """
+        end = self.total_steps - step
+        for selection in self._selections_after(step):
+            if selection >= self.total_steps:
+                break
+            opens = selection - self.probe_steps if self.probed(selection) else selection
+            if opens > step:
+                return min(opens - step, end)
+        return end
+
     def opens_at_epoch_start(self, epoch: int) -> bool:
         """Epoch length unknown: whether a probe window opens as `epoch` starts."""
         return self.unit == "epoch" and math.isinf(self.period) and epoch > 0 and epoch % self.interval == 0

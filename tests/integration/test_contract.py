@@ -7,6 +7,7 @@ known factor; the callback measures that clock. Its whole fit must land on `full
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import lightning as L
@@ -14,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_elastic import ElasticTensorSelection
+from lightning_elastic import ElasticTensorSelection, session
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
@@ -33,9 +34,10 @@ PROFILE = dataclasses.replace(
 class VirtualDevice(Callback):
     """A clock that each training step advances by `error` x the time model's cost of the trainable set."""
 
-    def __init__(self, error: float, compile_seconds: float = 0.0) -> None:
+    def __init__(self, error: float, compile_seconds: float = 0.0, slow: tuple[int, float] = (0, 1.0)) -> None:
         self.now = 0.0
         self.error = error
+        self.slow = slow  # (steps, factor): the first `steps` steps cost `factor` times more (a slow start)
         self.compile_seconds = compile_seconds  # paid by the first step of every new trainable set, as compiling
         self.model = StepTimeModel.from_profile(PROFILE)
         self.full_seconds = 0.0
@@ -48,8 +50,9 @@ class VirtualDevice(Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         named = dict(pl_module.named_parameters())
         trainable = tuple(named[n].requires_grad for n in PROFILE.names)  # what this step's backward ran for
-        self.now += self.error * self.model.predict(trainable)
-        self.full_seconds += self.error * self.model.full
+        factor = self.error * (self.slow[1] if trainer.global_step < self.slow[0] else 1.0)
+        self.now += factor * self.model.predict(trainable)
+        self.full_seconds += factor * self.model.full
         if trainable != self._last:
             self.compiles += 1
             self.now += self.compile_seconds
@@ -76,9 +79,43 @@ def test_the_whole_fit_lands_on_the_asked_speedup_when_the_time_model_is_off(err
     assert summary["fit_speedup"] == pytest.approx(full_fit / summary["spent_seconds"], rel=1e-6)
 
 
-def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time() -> None:
+def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe window runs 1.5x slow (a slow start), so `T` and the fixed part of every predicted step are too
+    high, by more for small selections than for large ones: no one correction fits every selection. Without
+    re-plans the fit ends 10% off its own plan; re-planning after each selection's first 4 steps lands it."""
+    settings: dict[str, Any] = dict(speedup=1.3, interval=80, interval_unit="step", probe_steps=4)
+
+    def fit(tolerance: float) -> ElasticTensorSelection:
+        monkeypatch.setattr(session, "REPLAN_TOLERANCE", tolerance)
+        device = VirtualDevice(1.0, slow=(4, 1.5))
+        callback = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
+        torch.manual_seed(0)
+        tiny_trainer(callbacks=[device, callback], max_steps=160, max_epochs=-1).fit(TinyNet(), tiny_data())
+        return callback
+
+    tolerance = session.REPLAN_TOLERANCE
+    plain, replanned = fit(math.inf), fit(tolerance)
+    for callback in (plain, replanned):
+        assert callback.history[0].full_seconds == pytest.approx(1.5 * PROFILE.t_full)  # T from the slow window
+    account = {c: c.summary()["planned_seconds"] / c.summary()["spent_seconds"] for c in (plain, replanned)}
+    assert not any(r.replanned for r in plain.history) and [r.step for r in plain.history] == [4, 80]
+    assert abs(account[plain] - 1) > 0.10
+    assert account[replanned] == pytest.approx(1.0, abs=0.03)
+    flags = [r.replanned for r in replanned.history]
+    assert any(flags) and "1" * (session.REPLANS + 1) not in "".join("1" if f else "0" for f in flags)
+    for record, following in zip(replanned.history, replanned.history[1:], strict=False):
+        if following.replanned:  # each re-plan came after exactly the checked steps of the selection before it
+            assert following.step - record.step == session.REPLAN_AFTER
+            assert len(record.measured_seconds) == session.REPLAN_AFTER
+
+
+def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Compiling costs the first step of every new trainable set 5 full steps: the plan still learns `T` and the
-    correction from steady steps (exactly those of the fit without compiling), and the fit pays for every compile."""
+    correction from steady steps (exactly those of the fit without compiling), and the fit pays for every compile.
+    The process has compiled graphs (dynamo's counter), as a compiled module's would."""
+    monkeypatch.setattr(session, "compiled_graphs", lambda: 1)
     settings: dict[str, Any] = dict(speedup=1.5, interval=8, interval_unit="step", probe_steps=3)
     device = VirtualDevice(1.0, compile_seconds=5 * PROFILE.t_full)
     compiled = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
@@ -122,8 +159,8 @@ def test_auto_probe_windows_stay_within_their_share() -> None:
     fit = callback._fit
     assert fit is not None
     probes = fit.schedule.probe_steps_between(0, 160)
-    # 3% of the planned fit: probes * (s - 1) / N <= 0.03 -> at most 9 steps for 160 steps at 1.5
-    assert 1 <= probes <= 9 and fit.schedule.probe_every > 1
+    # 4% of the planned fit: probes * (s - 1) / N <= 0.04 -> at most 12 steps for 160 steps at 1.5
+    assert 1 <= probes <= 12 and fit.schedule.probe_every > 1
 
 
 def test_an_unreachable_contract_is_refused_before_training() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import (
+    PROBE_SHARE,
     ProbePlan,
     ScheduleRefusal,
     WallClockPlan,
@@ -42,6 +43,14 @@ def test_full_step_is_the_mean_of_every_probe_step() -> None:
     assert plan.full_step == pytest.approx(2.0)
 
 
+def test_a_paused_probe_step_is_no_sample_of_the_full_step() -> None:
+    plan = WallClockPlan(speedup=2.0, total_steps=None, full_step=9.0)
+    plan.observe_full_steps([1.0, 1.2, 2.41])  # more than twice the window's median (1.2): paused
+    assert plan.full_step == pytest.approx(1.1) and plan.full_samples == 2
+    plan.observe_full_steps([1.0, 2.0])  # the lower median of two: 2.0 is not more than twice 1.0
+    assert plan.full_step == pytest.approx(1.3) and plan.full_samples == 4
+
+
 def test_correction_takes_the_first_ratio_then_moves_halfway_and_ignores_nonsense() -> None:
     plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=1.0)
     plan.observe_selected_steps(measured=0.65, predicted=0.5)
@@ -65,8 +74,8 @@ def test_state_round_trip() -> None:
 @pytest.mark.parametrize(
     ("steps", "selections", "speedup", "expected"),
     [
-        (600, 10, 2.0, ProbePlan(4, 3)),
-        (100, 5, 2.0, ProbePlan(3, 5)),
+        (600, 10, 2.0, ProbePlan(4, 2)),
+        (50, 5, 2.0, ProbePlan(2, 5)),
         (150, 5, 2.0, ProbePlan(4, 5)),
         (10_000, 10, 1.5, ProbePlan(4, 1)),
         (20, 2, 3.0, ProbePlan(1, 2)),
@@ -81,7 +90,7 @@ def test_auto_probe_plan_keeps_the_probe_share(
     if steps is not None and selections is not None:
         windows = math.ceil(selections / plan.every)
         share = windows * plan.steps * (speedup - 1) / steps
-        assert share <= 0.03 or (plan.steps == 1 and windows == 1)
+        assert share <= PROBE_SHARE or (plan.steps == 1 and windows == 1)
 
 
 def test_reachable_speedup_by_hand() -> None:
@@ -158,9 +167,9 @@ def test_a_ceiling_is_never_shown_rounded_up() -> None:
 
 
 def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
-    # 10 steps an epoch, 100 steps, 10 selections: the share allows floor(0.03 * 100 / 1) = 3 probe steps in all.
+    # 10 steps an epoch, 100 steps, 10 selections: the share allows floor(0.04 * 100 / 1) = 4 probe steps in all.
     auto = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(10,), total_steps=100)
-    assert auto == Schedule(1, "epoch", 3, (10,), probe_every=10, total_steps=100)
+    assert auto == Schedule(1, "epoch", 4, (10,), probe_every=10, total_steps=100)
     # a window of 4 steps (the default) would fill a 4-step period: cut to one step fewer than the period
     short = plan_schedule(4, "step", "auto", 1.1, steps_per_epoch=math.inf, total_steps=1000)
     assert isinstance(short, Schedule) and short.probe_steps == 3
