@@ -324,6 +324,12 @@ class ElasticTensorSelection(Callback):
             self._select_and_apply(trainer, pl_module)
 
     @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._first is not None:  # the epoch ended before its first step did (`on_train_batch_start` returned -1)
+            self._first.close()  # the next epoch's first step records afresh, on its own batch
+            self._first.timer.stop()
+
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._fit is not None and trainer.training:
             self._fit.step_timer.start()  # validation is the same with and without the callback: not counted

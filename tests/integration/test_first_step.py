@@ -324,3 +324,62 @@ def test_inputs_whose_shapes_vary_per_batch_key_the_cache_reproducibly(
     assert runs == [1]  # profiled once: the second fit read the cache
     assert len(list(tmp_path.glob("timing-*.json"))) == 1
     assert callback.timing_profile is not None
+
+
+class SkipsFirstEpoch(Counted):
+    """Skips the rest of epoch 0 at its first batch (`on_train_batch_start` returns -1); counts the forward
+    pre-hooks on its modules, and whether `training_step` is wrapped, in every validation step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen_in_validation: list[tuple[int, bool]] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.current_epoch == 0 else None
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        hooks = sum(len(m._forward_pre_hooks) for m in self.modules())
+        self.seen_in_validation.append((hooks, "training_step" in vars(self)))
+
+
+def recording(module: nn.Module) -> tuple[int, bool]:
+    return sum(len(m._forward_pre_hooks) for m in module.modules()), "training_step" in vars(module)
+
+
+def test_a_first_step_skipped_by_on_train_batch_start_leaves_no_recording_behind() -> None:
+    """-1 from `on_train_batch_start` ends the epoch before its first step runs: the recording started for that step
+    ends with the epoch, so no hook is left (nor seen by a validation), and the next epoch's first step is recorded
+    afresh, on its own batch."""
+    at_epoch_end: list[tuple[int, bool]] = []
+
+    class Watch(Callback):
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            at_epoch_end.append(recording(pl_module))
+
+    module, callback = SkipsFirstEpoch(), elastic(False)
+    trainer = tiny_trainer(callbacks=[callback, Watch()], max_epochs=1)
+    trainer.fit(module, tiny_data())
+    assert trainer.global_step == 0 and callback.timing_profile is None
+    assert at_epoch_end == [(0, False)]
+    trainer.validate(module, tiny_data(), verbose=False)
+    assert module.seen_in_validation and set(module.seen_in_validation) == {(0, False)}
+
+    module, callback = SkipsFirstEpoch(), elastic(False)
+    profiled_on_its_own_batch: list[bool] = []
+
+    class Batches(Callback):
+        """Listed before the elastic callback: sees its first step as it is about to profile."""
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.batch = batch
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            if callback._first is not None:
+                profiled_on_its_own_batch.append(callback._first.batch is self.batch)
+
+    at_epoch_end.clear()
+    tiny_trainer(callbacks=[Batches(), callback, Watch()], max_epochs=2).fit(module, tiny_data())
+    assert at_epoch_end == [(0, False), (0, False)]
+    assert profiled_on_its_own_batch == [True]
+    assert callback.timing_profile is not None and callback.history
+    assert recording(module) == (0, False)
