@@ -241,20 +241,26 @@ class ElasticTensorSelection(Callback):
     def _begin(
         self, trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile, profile_seconds: float
     ) -> FitSession:
-        """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet)."""
+        """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet).
+
+        Its own seconds are charged with `profile_seconds` after a checkpoint's account is restored, which would
+        otherwise drop them: a resumed fit pays for its own start.
+        """
+        started = self._clock()
         schedule, total_steps = self._schedule
         assert schedule is not None
         self._profile = prof
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
         fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
-        limit = fit.charge_profiling(prof, profile_seconds, self._calibrate)
         self._fit = fit
+        limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
         fit.restore(self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
         reporting.announce(trainer, prof, self._speedup, total_steps, schedule)
+        fit.charge_start(profile_seconds + self._clock() - started)
         return fit
 
     # ------------------------------------------------------------------ 3. probe: windows, and importance at every step

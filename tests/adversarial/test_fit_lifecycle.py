@@ -3,6 +3,7 @@ in one Trainer, and the model given back as the user had it when a fit ends with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_elastic import ElasticTensorSelection
+from lightning_elastic import ElasticTensorSelection, reporting
 from lightning_elastic.planner import WallClockPlan
 from tests.integration.test_callback import Recorder, elastic, fit
 from tests.integration.test_contract import PROFILE, VirtualDevice
@@ -66,7 +67,9 @@ class PlanAtStart(Callback):
             self.plan = self.elastic._fit.plan.state_dict()
 
 
-def test_resume_keeps_the_account(tmp_path: Path) -> None:
+def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan goes on from the checkpoint's account, and the resumed process's own start (here 100 s of the
+    clock as the fit begins) is charged on top of it, not dropped by the restore."""
     device = VirtualDevice(1.0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=20, save_top_k=-1)
     first = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
@@ -81,11 +84,20 @@ def test_resume_keeps_the_account(tmp_path: Path) -> None:
 
     resumed = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
     watch = PlanAtStart(resumed)
+    own_announce = reporting.announce
+
+    def slow_announce(*args: Any) -> None:
+        device.now += 100.0
+        own_announce(*args)
+
+    monkeypatch.setattr(reporting, "announce", slow_announce)
     tiny_trainer(callbacks=[device, resumed, watch], max_steps=60, max_epochs=-1).fit(
         TinyNet(), tiny_data(), ckpt_path=ckpt
     )
     assert watch.plan is not None
-    assert WallClockPlan.from_state(watch.plan) == WallClockPlan.from_state(state["plan"])
+    saved_plan = WallClockPlan.from_state(state["plan"])
+    expected = dataclasses.replace(saved_plan, spent=saved_plan.spent + 100.0, overhead=saved_plan.overhead + 100.0)
+    assert watch.plan == pytest.approx(expected.state_dict(), rel=1e-12)  # the clock's differences round
     assert resumed.summary()["fit_speedup"] > 1.0
 
 
