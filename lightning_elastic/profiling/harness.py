@@ -197,15 +197,34 @@ def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingP
     Checks the parameters (`mismatch`), the kind of device, and the fingerprint of the step as it runs now (one
     forward and backward pass on the first batch): a step whose graph changed (gradient checkpointing turned on, a
     changed functional op, another input shape) costs differently. Rank zero's answer holds on every rank.
+
+    The fingerprint is taken with the tensors the profile covers trainable, as they were when it was measured: a
+    tensor it covers that is frozen now (`train_never`, frozen before profiling since, in a checkpoint written
+    before; or frozen by the user since) is left out of the key of a new profile, but the time model is the same
+    with it in the profile and never selected (docs/time_model.md), so the profile still describes the step.
     """
     reason = mismatch(prof, pl_module)
     if reason is None and not prof.device.startswith(pl_module.device.type):
         reason = f"taken on {prof.device}, training runs on {pl_module.device.type}"
     if reason is None:
-        with _training_step(trainer, pl_module) as compute_loss:
+        with _training_step(trainer, pl_module) as compute_loss, _as_profiled(pl_module, prof):
             if fingerprint(pl_module, compute_loss, prof.method) != prof.fingerprint:
                 reason = "the training step's fingerprint differs (its graph, its input or the device changed)"
     return reason if trainer.world_size == 1 else trainer.strategy.broadcast(reason, src=0)
+
+
+@contextmanager
+def _as_profiled(pl_module: L.LightningModule, prof: TimingProfile) -> Iterator[None]:
+    """The tensors `prof` covers that are frozen now made trainable while the block runs, then frozen again."""
+    covered = set(prof.names) | set(prof.unused)
+    thawed = [p for name, p in pl_module.named_parameters() if name in covered and not p.requires_grad]
+    for param in thawed:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in thawed:
+            param.requires_grad_(False)
 
 
 @contextmanager
