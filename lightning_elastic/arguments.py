@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, get_args
 
 from numpy import bool_ as np_bool
@@ -80,7 +80,11 @@ def constructor_problems(
     if time_model not in TIME_MODELS:
         problems.append(f"`time_model` must be one of {TIME_MODELS}. Found: {time_model!r}")
     for name, patterns in (("train_always", train_always), ("train_never", train_never)):
-        if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):  # type: ignore[attr-defined]
+        if (
+            isinstance(patterns, str)
+            or not isinstance(patterns, Iterable)
+            or not all(isinstance(p, str) and p for p in patterns)
+        ):
             problems.append(f"`{name}` must be a list of non-empty name patterns. Found: {patterns!r}")
     if bn_policy not in BN_POLICIES:
         problems.append(f"`bn_policy` must be one of {BN_POLICIES}. Found: {bn_policy!r}")
