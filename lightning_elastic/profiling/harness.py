@@ -198,10 +198,10 @@ def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingP
     forward and backward pass on the first batch): a step whose graph changed (gradient checkpointing turned on, a
     changed functional op, another input shape) costs differently. Rank zero's answer holds on every rank.
 
-    The fingerprint is taken with the tensors the profile covers trainable, as they were when it was measured: a
-    tensor it covers that is frozen now (`train_never`, frozen before profiling since, in a checkpoint written
-    before; or frozen by the user since) is left out of the key of a new profile, but the time model is the same
-    with it in the profile and never selected (docs/time_model.md), so the profile still describes the step.
+    The fingerprint is taken with the tensors the profile covers trainable, as they were when it was measured. A
+    covered tensor that is frozen now (a `train_never` one in a checkpoint of a version that profiled before freezing
+    them, or one the user froze since) would be left out of a new profile's key, but the time model is the same with
+    it in the profile and never selected (docs/time_model.md): the profile still describes the step.
     """
     reason = mismatch(prof, pl_module)
     if reason is None and not prof.device.startswith(pl_module.device.type):
