@@ -1,4 +1,5 @@
-"""Argument types that check themselves, so that a command-line parser refuses a bad value with the callback's message.
+"""The callback's arguments checked: all at once by its constructor (`constructor_problems`), and the numbers again by
+types that check themselves, so that a command-line parser refuses a bad value with the constructor's message.
 
 LightningCLI (jsonargparse) checks each argument against its annotation as it parses, and exits with a one-line
 error; the constructor's own checks run later, when LightningCLI instantiates the callback, and end in a stack
@@ -13,10 +14,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, get_args
+
+from numpy import bool_ as np_bool
 
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
+from lightning_elastic.freezing import BN_POLICIES
+from lightning_elastic.profiling import TimingMethod, TimingProfile
+from lightning_elastic.schedule import IntervalUnit
+
+TIME_MODELS: tuple[str, ...] = get_args(TimingMethod)
+INTERVAL_UNITS: tuple[str, ...] = get_args(IntervalUnit)
 
 
 def speedup_problem(value: object, name: str = "speedup") -> str | None:
@@ -29,6 +39,67 @@ def speedup_problem(value: object, name: str = "speedup") -> str | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 < float(value) < math.inf:
         return f"`{name}` must be a finite number > 1. Found: {value!r}"
     return None
+
+
+def constructor_problems(
+    *,
+    speedup: object,
+    interval: object,
+    interval_unit: object,
+    probe_steps: object,
+    time_model: object,
+    train_always: object,
+    train_never: object,
+    bn_policy: object,
+    resolution: object,
+    cache_dir: object,
+    profile: object,
+    calibrate: object,
+    log_images: object,
+    clock: object,
+) -> list[str]:
+    """What is wrong with each argument of `ElasticTensorSelection` (see its docstring), one message each; [] if none.
+
+    Example:
+        >>> constructor_problems(
+        ...     speedup=2.0, interval=0, interval_unit="epoch", probe_steps="auto", time_model="measured",
+        ...     train_always=(), train_never=(), bn_policy="update", resolution=1000, cache_dir=None, profile=None,
+        ...     calibrate=True, log_images=True, clock=float,
+        ... )
+        ['`interval` must be a positive int. Found: 0']
+    """
+    problems = []
+    if (problem := speedup_problem(speedup)) is not None:
+        problems.append(problem)
+    if not is_positive_int(interval):
+        problems.append(f"`interval` must be a positive int. Found: {interval!r}")
+    if interval_unit not in INTERVAL_UNITS:
+        problems.append(f"`interval_unit` must be one of {INTERVAL_UNITS}. Found: {interval_unit!r}")
+    if probe_steps != "auto" and not is_positive_int(probe_steps):
+        problems.append(f"`probe_steps` must be a positive int or 'auto'. Found: {probe_steps!r}")
+    if time_model not in TIME_MODELS:
+        problems.append(f"`time_model` must be one of {TIME_MODELS}. Found: {time_model!r}")
+    for name, patterns in (("train_always", train_always), ("train_never", train_never)):
+        if (
+            isinstance(patterns, str)
+            or not isinstance(patterns, Iterable)
+            or not all(isinstance(p, str) and p for p in patterns)
+        ):
+            problems.append(f"`{name}` must be a list of non-empty name patterns. Found: {patterns!r}")
+    if bn_policy not in BN_POLICIES:
+        problems.append(f"`bn_policy` must be one of {BN_POLICIES}. Found: {bn_policy!r}")
+    if not is_positive_int(resolution):
+        problems.append(f"`resolution` must be a positive int. Found: {resolution!r}")
+    if cache_dir not in (None, False) and not isinstance(cache_dir, (str, os.PathLike)):
+        problems.append(f"`cache_dir` must be a directory path, None (the user cache) or False. Found: {cache_dir!r}")
+    if profile is not None and not isinstance(profile, (TimingProfile, str, os.PathLike)):
+        problems.append(f"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: {profile!r}")
+    for name, flag in (("calibrate", calibrate), ("log_images", log_images)):
+        if not isinstance(flag, (bool, np_bool)):
+            problems.append(f"`{name}` must be True or False. Found: {flag!r}")
+    if not callable(clock):
+        problems.append(f"`clock` must be a callable returning seconds. Found: {clock!r}")
+    return problems
 
 
 def _parsed(value: object, parse: Callable[[str], object]) -> object:

@@ -22,21 +22,20 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from numpy import bool_ as np_bool
 from typing_extensions import override
 
 from lightning_elastic import reporting
-from lightning_elastic.arguments import PositiveInt, Speedup, speedup_problem
+from lightning_elastic.arguments import PositiveInt, Speedup, constructor_problems
 from lightning_elastic.distributed import install_selective_allreduce
-from lightning_elastic.errors import ElasticConfigError, is_positive_int
-from lightning_elastic.freezing import BN_POLICIES, BnPolicy, UserState, apply_bn_policy, freeze_never
+from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.freezing import BnPolicy, UserState, apply_bn_policy, freeze_never
 from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingMethod, TimingProfile
@@ -49,8 +48,6 @@ from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_supported, fit_schedule
 from lightning_elastic.summary import FitSummary, fit_summary
 
-TIME_MODELS: tuple[str, ...] = get_args(TimingMethod)
-INTERVAL_UNITS: tuple[str, ...] = get_args(IntervalUnit)
 STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
 
 
@@ -110,37 +107,12 @@ class ElasticTensorSelection(Callback):
         log_images: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        problems = []
-        if (problem := speedup_problem(speedup)) is not None:
-            problems.append(problem)
-        if not is_positive_int(interval):
-            problems.append(f"`interval` must be a positive int. Found: {interval!r}")
-        if interval_unit not in INTERVAL_UNITS:
-            problems.append(f"`interval_unit` must be one of {INTERVAL_UNITS}. Found: {interval_unit!r}")
-        if probe_steps != "auto" and not is_positive_int(probe_steps):
-            problems.append(f"`probe_steps` must be a positive int or 'auto'. Found: {probe_steps!r}")
-        if time_model not in TIME_MODELS:
-            problems.append(f"`time_model` must be one of {TIME_MODELS}. Found: {time_model!r}")
-        for name, patterns in (("train_always", train_always), ("train_never", train_never)):
-            if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
-                problems.append(f"`{name}` must be a list of non-empty name patterns. Found: {patterns!r}")
-        if bn_policy not in BN_POLICIES:
-            problems.append(f"`bn_policy` must be one of {BN_POLICIES}. Found: {bn_policy!r}")
-        if not is_positive_int(resolution):
-            problems.append(f"`resolution` must be a positive int. Found: {resolution!r}")
-        if cache_dir not in (None, False) and not isinstance(cache_dir, (str, os.PathLike)):
-            problems.append(
-                f"`cache_dir` must be a directory path, None (the user cache) or False. Found: {cache_dir!r}"
-            )
-        if profile is not None and not isinstance(profile, (TimingProfile, str, os.PathLike)):
-            problems.append(
-                f"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: {profile!r}"
-            )
-        for name, flag in (("calibrate", calibrate), ("log_images", log_images)):
-            if not isinstance(flag, (bool, np_bool)):
-                problems.append(f"`{name}` must be True or False. Found: {flag!r}")
-        if not callable(clock):
-            problems.append(f"`clock` must be a callable returning seconds. Found: {clock!r}")
+        problems = constructor_problems(
+            speedup=speedup, interval=interval, interval_unit=interval_unit, probe_steps=probe_steps,
+            time_model=time_model, train_always=train_always, train_never=train_never, bn_policy=bn_policy,
+            resolution=resolution, cache_dir=cache_dir, profile=profile, calibrate=calibrate, log_images=log_images,
+            clock=clock,
+        )
         if problems:
             raise ElasticConfigError("; ".join(problems))
         self._speedup = float(speedup)
@@ -241,20 +213,26 @@ class ElasticTensorSelection(Callback):
     def _begin(
         self, trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile, profile_seconds: float
     ) -> FitSession:
-        """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet)."""
+        """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet).
+
+        Its own seconds are charged with `profile_seconds` after a checkpoint's account is restored, which would
+        otherwise drop them: a resumed fit pays for its own start.
+        """
+        started = self._clock()
         schedule, total_steps = self._schedule
         assert schedule is not None
         self._profile = prof
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
         fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
-        limit = fit.charge_profiling(prof, profile_seconds, self._calibrate)
         self._fit = fit
+        limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
         fit.restore(self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
         reporting.announce(trainer, prof, self._speedup, total_steps, schedule)
+        fit.charge_start(profile_seconds + self._clock() - started)
         return fit
 
     # ------------------------------------------------------------------ 3. probe: windows, and importance at every step
@@ -324,6 +302,12 @@ class ElasticTensorSelection(Callback):
             self._select_and_apply(trainer, pl_module)
         elif self._calibrate and fit.off_plan(trainer):
             self._select_and_apply(trainer, pl_module, replanned=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._first is not None:  # the epoch ended before its first step did (`on_train_batch_start` returned -1)
+            self._first.close()  # the next epoch's first step records afresh, on its own batch
+            self._first.timer.stop()
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -135,13 +135,16 @@ class FitSession:
             latest=[0.0] * len(params),
         )
 
-    def charge_profiling(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
-        """Charge profiling to the plan; what the fit can reach (per step without `calibrate`)."""
-        self.plan.spend_overhead(profile_seconds)
-        self.totals["profile_seconds"] += profile_seconds
+    def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
+        """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`)."""
         total = self.plan.total_steps if calibrate else None
         model = StepTimeModel.from_profile(prof)
         return reach(model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full)
+
+    def charge_start(self, seconds: float) -> None:
+        """Charge the callback's own seconds as the fit began (profiling and the plan's start) to the plan."""
+        self.plan.spend_overhead(seconds)
+        self.totals["profile_seconds"] += seconds
 
     def enter_at_step(self, trainer: L.Trainer, seconds: float) -> None:
         """Begin inside an optimizer step (the first whose pass keyed the profile): charge its `seconds` up to the

@@ -11,6 +11,7 @@ import math
 from typing import Literal
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -34,6 +35,14 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         raise ElasticConfigError(
             "`ElasticTensorSelection` needs automatic optimization (it measures importance around each "
             "optimizer step). Found: `automatic_optimization = False`"
+        )
+    if torch._dynamo.compiled_autograd.compiled_autograd_enabled:
+        # Enabled around the fit (`compiled_autograd._enable`): it would compile the profiler's backward passes, whose
+        # per-node times are then a capture's, and dynamo's reset at each change of the trainable set turns it off.
+        raise ElasticConfigError(
+            "`ElasticTensorSelection` times autograd's nodes one by one and resets torch.compile's caches when the "
+            "trainable set changes, so it cannot run with compiled autograd (`torch._dynamo.compiled_autograd`): "
+            "fit without it (a compiled module is supported). Found: compiled autograd enabled"
         )
     prepare_strategy(trainer.strategy)
     if not any(p.requires_grad for p in pl_module.parameters()):

@@ -26,6 +26,7 @@ from torchmetrics import Metric
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
+from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.profiling.graph import StepSignature
 from lightning_elastic.profiling.profile import (
     TimingMethod,
@@ -87,10 +88,18 @@ def measure_profile(
     """Profile the real training step on the first training batch (or read it from the cache).
 
     With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
-    signature keys the cache, so profiling takes no pass of its own for it.
+    signature keys the cache, so profiling takes no pass of its own for it, if its inputs have the shapes of the
+    first batch (`_first_batch`, in data set order). Else, as without `first`, on the first batch with a pass of its
+    own for the key. The key must not depend on the shuffle: inputs whose shapes vary per batch (text padded to the
+    longest in its batch) would key a shuffled batch's shapes, and the next run, or the check of a resume or a second
+    fit (`stale_reason`, on the first batch), would profile again. So the key, and the shapes timed, are the first
+    batch's in every run.
     """
-    signature = first.signature if first is not None else None
-    with _training_step(trainer, pl_module, first.batch if first is not None else None) as compute_loss:
+    batch = _first_batch(trainer)
+    signature = None
+    if first is not None and _shapes(first.batch) == _shapes(batch):
+        batch, signature = first.batch, first.signature
+    with _training_step(trainer, pl_module, batch) as compute_loss:
         profiled = profile(
             pl_module, compute_loss, method=method, cache_dir=cache_dir, progress=_phase_lines(), signature=signature
         )
@@ -114,8 +123,8 @@ class FirstStep:
     run. The callback also needs a fit that starts afresh (a resumed one restores a selection). Otherwise profiling
     takes its own pass as training starts. `train_never` tensors are frozen before the first step
     (`freezing.freeze_never`): it does not train them, and the profile, like any profile, covers the tensors that
-    require grad. The key is the first batch's: inputs whose shapes vary from batch to batch (padding to the longest
-    sequence) key a new profile whenever the first batch's shapes differ.
+    require grad. The key is that of the data set's first batch (`measure_profile`): inputs whose shapes vary from
+    batch to batch (padding to the longest sequence) take a pass of their own for it when this step's shapes differ.
     """
 
     def __init__(self, device: torch.device, clock: Callable[[], float], setup_seconds: float = 0.0) -> None:
@@ -188,15 +197,34 @@ def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingP
     Checks the parameters (`mismatch`), the kind of device, and the fingerprint of the step as it runs now (one
     forward and backward pass on the first batch): a step whose graph changed (gradient checkpointing turned on, a
     changed functional op, another input shape) costs differently. Rank zero's answer holds on every rank.
+
+    The fingerprint is taken with the tensors the profile covers trainable, as they were when it was measured. A
+    covered tensor that is frozen now (a `train_never` one in a checkpoint of a version that profiled before freezing
+    them, or one the user froze since) would be left out of a new profile's key, but the time model is the same with
+    it in the profile and never selected (docs/time_model.md): the profile still describes the step.
     """
     reason = mismatch(prof, pl_module)
     if reason is None and not prof.device.startswith(pl_module.device.type):
         reason = f"taken on {prof.device}, training runs on {pl_module.device.type}"
     if reason is None:
-        with _training_step(trainer, pl_module) as compute_loss:
+        with _training_step(trainer, pl_module) as compute_loss, _as_profiled(pl_module, prof):
             if fingerprint(pl_module, compute_loss, prof.method) != prof.fingerprint:
                 reason = "the training step's fingerprint differs (its graph, its input or the device changed)"
     return reason if trainer.world_size == 1 else trainer.strategy.broadcast(reason, src=0)
+
+
+@contextmanager
+def _as_profiled(pl_module: L.LightningModule, prof: TimingProfile) -> Iterator[None]:
+    """The tensors `prof` covers that are frozen now made trainable while the block runs, then frozen again."""
+    covered = set(prof.names) | set(prof.unused)
+    thawed = [p for name, p in pl_module.named_parameters() if name in covered and not p.requires_grad]
+    for param in thawed:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in thawed:
+            param.requires_grad_(False)
 
 
 @contextmanager
@@ -233,6 +261,11 @@ def _loss_of(output: Any) -> Tensor:
             f"(a tensor or a dict with 'loss'). Found: {type(output).__name__}"
         )
     return loss
+
+
+def _shapes(batch: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of every tensor in a batch, in order."""
+    return [(tuple(t.shape), t.dtype) for t in tensors_in(batch)]
 
 
 def _first_batch(trainer: L.Trainer) -> Any:

@@ -1,5 +1,6 @@
 """torch.compile: profiling measures the eager step and compiles nothing; a fit compiles one graph per change of the
-trainable set, counted in the summary."""
+trainable set, counted in the summary. Compiled autograd: the config flag changes nothing in a Lightning fit, and
+compiled autograd enabled around the fit is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_elastic import ElasticTensorSelection
+from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.session import compiled_graphs
 from tests.integration.test_callback import Recorder, elastic
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
@@ -108,3 +110,41 @@ def test_compiled_module_runs_the_new_selection() -> None:
     changes = sum(1 for a, b in zip(recorder.trainable, recorder.trainable[1:], strict=False) if a != b)
     graphs = callback.summary()["compiled_graphs"]
     assert changes == 3 and 1 + changes <= graphs <= 3 * (1 + changes)  # counted, and bounded by the changes
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_compiled_autograd_flag_leaves_a_compiled_fit_as_it_is(form: str) -> None:
+    """`torch._dynamo.config.compiled_autograd = True` compiles only backward passes run inside a compiled frame;
+    Lightning runs `loss.backward()` outside one: nothing is captured, and the fit compiles the same four graphs as
+    without the flag."""
+    from torch._dynamo.utils import counters
+
+    captures = counters["compiled_autograd"]["captures"]
+    model, module = compiled(form)
+    callback = ElasticTensorSelection(
+        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=synthetic_profile(module), calibrate=False
+    )
+    graphs, recorder = Graphs(), Recorder()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        trainer = tiny_trainer(callbacks=[callback, graphs, recorder], max_steps=10)
+        trainer.fit(model, tiny_data())  # type: ignore[arg-type]
+    assert counters["compiled_autograd"]["captures"] == captures
+    assert compiled_graphs() - graphs.at_fit_start == 4 and callback.summary()["compiled_graphs"] == 4
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True))  # only the selection trains
+
+
+def test_compiled_autograd_is_refused_before_the_fit_starts() -> None:
+    """Enabled for the fit (`compiled_autograd._enable`), compiled autograd would compile the profiler's backward
+    passes (their per-node times are then a capture's), and the callback's reset of dynamo at the first change of
+    the trainable set would turn it off for good: refused as the fit is set up, naming the setting."""
+    from torch._dynamo import compiled_autograd
+
+    model, module = compiled(FORMS[0])
+    callback = ElasticTensorSelection(speedup=1.6, profile=synthetic_profile(module), calibrate=False)
+    steps = Recorder()
+    refused = pytest.raises(ElasticConfigError, match=r"cannot run with compiled autograd .* Found: compiled autograd")
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")), refused:
+        tiny_trainer(callbacks=[callback, steps], max_steps=4).fit(model, tiny_data())  # type: ignore[arg-type]
+    assert steps.steps == []
+    assert all(p.requires_grad for p in module.parameters())

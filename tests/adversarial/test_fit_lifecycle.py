@@ -3,6 +3,7 @@ in one Trainer, and the model given back as the user had it when a fit ends with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_elastic import ElasticTensorSelection
+from lightning_elastic import ElasticTensorSelection, reporting
 from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.profiling.runner import Runner
 from tests.integration.test_callback import Recorder, elastic, fit
 from tests.integration.test_contract import PROFILE, VirtualDevice
 from tests.integration.tiny import Crash, TinyNet, tiny_data, tiny_trainer
@@ -66,7 +68,9 @@ class PlanAtStart(Callback):
             self.plan = self.elastic._fit.plan.state_dict()
 
 
-def test_resume_keeps_the_account(tmp_path: Path) -> None:
+def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan goes on from the checkpoint's account, and the resumed process's own start (here 100 s of the
+    clock as the fit begins) is charged on top of it, not dropped by the restore."""
     device = VirtualDevice(1.0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=20, save_top_k=-1)
     first = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
@@ -81,11 +85,20 @@ def test_resume_keeps_the_account(tmp_path: Path) -> None:
 
     resumed = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
     watch = PlanAtStart(resumed)
+    own_announce = reporting.announce
+
+    def slow_announce(*args: Any) -> None:
+        device.now += 100.0
+        own_announce(*args)
+
+    monkeypatch.setattr(reporting, "announce", slow_announce)
     tiny_trainer(callbacks=[device, resumed, watch], max_steps=60, max_epochs=-1).fit(
         TinyNet(), tiny_data(), ckpt_path=ckpt
     )
     assert watch.plan is not None
-    assert WallClockPlan.from_state(watch.plan) == WallClockPlan.from_state(state["plan"])
+    saved_plan = WallClockPlan.from_state(state["plan"])
+    expected = dataclasses.replace(saved_plan, spent=saved_plan.spent + 100.0, overhead=saved_plan.overhead + 100.0)
+    assert watch.plan == pytest.approx(expected.state_dict(), rel=1e-12)  # the clock's differences round
     assert resumed.summary()["fit_speedup"] > 1.0
 
 
@@ -214,3 +227,33 @@ def test_a_first_step_that_raises_before_its_update_gives_the_model_back(raiser:
     assert all(not m._forward_pre_hooks for m in module.modules())
     assert is_as_the_user_had_it(module)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_a_checkpoint_whose_profile_covers_the_train_never_tensors_is_resumed_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints written before `train_never` tensors were frozen ahead of profiling hold a measured profile that
+    covers them, keyed with them trainable. A resume with the same settings keeps it (no profiling), with the
+    checkpoint's selection, and never trains them."""
+    settings: dict[str, Any] = dict(speedup=1.001, probe_steps=2, interval=1, calibrate=False, cache_dir=False)
+    whole = ElasticTensorSelection(**settings)
+    tiny_trainer(callbacks=[whole], max_steps=2).fit(TinyNet(), tiny_data())
+    old_profile = whole.timing_profile  # measured with every tensor trainable, as those versions measured it
+    assert old_profile is not None and "net.0.weight" in old_profile.names
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
+    never = ElasticTensorSelection(train_never=["net.0.*"], profile=old_profile, **settings)
+    tiny_trainer(callbacks=[never, checkpoint], max_steps=10, enable_checkpointing=True).fit(TinyNet(), tiny_data())
+    ckpt = next(tmp_path.glob("*step=10.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    state = next(v for k, v in saved.items() if "ElasticTensorSelection" in k)
+    assert state["profile"] == old_profile.to_dict() and len(state["mask"]) == len(old_profile.names)
+
+    runs: list[int] = []
+    own_run = Runner.run
+    monkeypatch.setattr(Runner, "run", lambda self, *args: runs.append(1) or own_run(self, *args))
+    resumed, recorder = ElasticTensorSelection(train_never=["net.0.*"], **settings), Recorder()
+    tiny_trainer(callbacks=[resumed, recorder], max_steps=16).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
+    assert runs == []  # not profiled again
+    assert resumed.timing_profile == old_profile
+    assert recorder.trainable[0] == tuple(state["mask"])  # the checkpoint's selection trains the first resumed step
+    assert not any(step[k] for step in recorder.trainable for k in (0, 1))  # net.0.weight, net.0.bias: never

@@ -129,6 +129,7 @@ def test_unreachable_speedup_fails_before_training_with_the_largest_reachable() 
         ({"time_model": "guess"}, r"`time_model` must be one of \('measured', 'flops'\). Found: 'guess'"),
         ({"bn_policy": "off"}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"),
         ({"train_always": "fc.*"}, r"`train_always` must be a list of non-empty name patterns. Found: 'fc.\*'"),
+        ({"train_never": 5}, r"`train_never` must be a list of non-empty name patterns. Found: 5"),
         ({"resolution": 0}, r"`resolution` must be a positive int. Found: 0"),
     ],
 )

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_elastic import ElasticTensorSelection, session
+from lightning_elastic import ElasticTensorSelection, reporting, session
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
@@ -178,3 +178,23 @@ def test_an_unreachable_contract_is_refused_before_training() -> None:
     ):
         tiny_trainer(callbacks=[callback, Steps()], max_epochs=3).fit(TinyNet(), tiny_data())
     assert trained == []
+
+
+@pytest.mark.parametrize("profiled", ["given", "in the first step"])
+def test_the_callbacks_own_seconds_as_the_fit_begins_are_charged(profiled: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beginning the fit (binding the tensors, the reach check, restoring, announcing: `_begin`) takes 100 s on the
+    device's clock: they are in the account, which is every second of the clock, and in the profiling total."""
+    device = VirtualDevice(1.0)
+    own_announce = reporting.announce
+
+    def slow_announce(*args: Any) -> None:
+        device.now += 100.0
+        own_announce(*args)
+
+    monkeypatch.setattr(reporting, "announce", slow_announce)
+    given = dict(profile=PROFILE) if profiled == "given" else dict(cache_dir=False)
+    callback = ElasticTensorSelection(speedup=1.05, interval=4, interval_unit="step", clock=device.clock, **given)
+    tiny_trainer(callbacks=[device, callback], max_steps=12, max_epochs=-1).fit(TinyNet(), tiny_data())
+    summary = callback.summary()
+    assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
+    assert summary["profile_seconds"] == pytest.approx(100.0, rel=1e-9)

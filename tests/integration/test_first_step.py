@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from lightning_elastic import ElasticTensorSelection
@@ -268,3 +271,115 @@ def test_a_failing_call_after_the_fit_does_not_give_back_the_fits_flags() -> Non
     with pytest.raises(RuntimeError, match="the next fit fails"):
         tiny_trainer(callbacks=[callback, Fails()], max_steps=3).fit(module, tiny_data())
     assert not module.net[0].weight.requires_grad
+
+
+class Padded(L.LightningModule):
+    """Token sequences padded to the longest in their batch: every module input's shape changes from batch to batch.
+    Keeps the sequence length of every `training_step` call (the first is the fit's first step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+        self.lengths: list[int] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        tokens, labels = batch
+        self.lengths.append(tokens.shape[1])
+        return F.cross_entropy(self.head(torch.relu(self.mix(self.embed(tokens))).mean(1)), labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def padded_data(seed: int) -> DataLoader[Any]:
+    """64 sequences of 1 to 23 tokens, shuffled by `seed`, in batches of 4 padded to the longest."""
+    generator = torch.Generator().manual_seed(100)
+    samples = [
+        (torch.randint(1, 40, (1 + (7 * i) % 23,), generator=generator), torch.tensor(i % 3)) for i in range(64)
+    ]
+
+    def collate(items: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        tokens = nn.utils.rnn.pad_sequence([t for t, _ in items], batch_first=True)
+        return tokens, torch.stack([y for _, y in items])
+
+    shuffle = torch.Generator().manual_seed(seed)
+    return DataLoader(samples, batch_size=4, shuffle=True, generator=shuffle, collate_fn=collate)  # type: ignore[arg-type]
+
+
+def test_inputs_whose_shapes_vary_per_batch_key_the_cache_reproducibly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fits shuffled by different seeds start on batches of different lengths: the second still finds the
+    first's profile in the cache (the key is the deterministic first batch's, not the shuffled one's)."""
+    runs: list[int] = []
+    own_run = Runner.run
+    monkeypatch.setattr(Runner, "run", lambda self, *args: runs.append(1) or own_run(self, *args))
+    first, second = Padded(), Padded()
+    tiny_trainer(callbacks=[elastic(tmp_path)], max_steps=4).fit(first, padded_data(seed=1))
+    callback = elastic(tmp_path)
+    tiny_trainer(callbacks=[callback], max_steps=4).fit(second, padded_data(seed=2))
+    assert first.lengths[0] != second.lengths[0]  # the first steps' batches differ in shape
+    assert runs == [1]  # profiled once: the second fit read the cache
+    assert len(list(tmp_path.glob("timing-*.json"))) == 1
+    assert callback.timing_profile is not None
+
+
+class SkipsFirstEpoch(Counted):
+    """Skips the rest of epoch 0 at its first batch (`on_train_batch_start` returns -1); counts the forward
+    pre-hooks on its modules, and whether `training_step` is wrapped, in every validation step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen_in_validation: list[tuple[int, bool]] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.current_epoch == 0 else None
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        hooks = sum(len(m._forward_pre_hooks) for m in self.modules())
+        self.seen_in_validation.append((hooks, "training_step" in vars(self)))
+
+
+def recording(module: nn.Module) -> tuple[int, bool]:
+    return sum(len(m._forward_pre_hooks) for m in module.modules()), "training_step" in vars(module)
+
+
+def test_a_first_step_skipped_by_on_train_batch_start_leaves_no_recording_behind() -> None:
+    """-1 from `on_train_batch_start` ends the epoch before its first step runs: the recording started for that step
+    ends with the epoch, so no hook is left (nor seen by a validation), and the next epoch's first step is recorded
+    afresh, on its own batch."""
+    at_epoch_end: list[tuple[int, bool]] = []
+
+    class Watch(Callback):
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            at_epoch_end.append(recording(pl_module))
+
+    module, callback = SkipsFirstEpoch(), elastic(False)
+    trainer = tiny_trainer(callbacks=[callback, Watch()], max_epochs=1)
+    trainer.fit(module, tiny_data())
+    assert trainer.global_step == 0 and callback.timing_profile is None
+    assert at_epoch_end == [(0, False)]
+    trainer.validate(module, tiny_data(), verbose=False)
+    assert module.seen_in_validation and set(module.seen_in_validation) == {(0, False)}
+
+    module, callback = SkipsFirstEpoch(), elastic(False)
+    profiled_on_its_own_batch: list[bool] = []
+
+    class Batches(Callback):
+        """Listed before the elastic callback: sees its first step as it is about to profile."""
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.batch = batch
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            if callback._first is not None:
+                profiled_on_its_own_batch.append(callback._first.batch is self.batch)
+
+    at_epoch_end.clear()
+    tiny_trainer(callbacks=[Batches(), callback, Watch()], max_epochs=2).fit(module, tiny_data())
+    assert at_epoch_end == [(0, False), (0, False)]
+    assert profiled_on_its_own_batch == [True]
+    assert callback.timing_profile is not None and callback.history
+    assert recording(module) == (0, False)
