@@ -66,7 +66,7 @@ class ElasticTensorSelection(Callback):
         speedup: how many times faster the training part of the fit should be; > 1.
         interval: re-select every `interval` epochs or optimizer steps (see `interval_unit`).
         interval_unit: "epoch" (re-select as an epoch starts) or "step".
-        probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (4%) of
+        probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (3%) of
             the fit; or the steps of every window, each full training steps that measure every tensor's importance.
         time_model: "measured" (per-tensor times profiled on this device) or "flops" (analytic fallback).
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.

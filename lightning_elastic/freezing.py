@@ -165,6 +165,11 @@ def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Itera
     return frozen
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's own counter)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def invalidate_compiled_graphs(model: nn.Module) -> None:
     """Drop torch.compile's graphs of the previous selection.
 

@@ -35,9 +35,10 @@ CORRECTION_BOUNDS = (0.25, 4.0)
 # A probe step that took more than this many times the window's median was paused (by the OS, another process, a
 # garbage collection): with 3 or 4 steps a window, one such step would move `T` by a third. Not a sample of `T`.
 PAUSED = 2.0
-# Auto probe windows: their extra cost stays within this share of the planned fit (4%: on a 228-step fit at 2x,
-# two windows, whose 7 steps pin `T` where one window's 3 were 11% off the full fit's step, sd over 16 runs) ...
-PROBE_SHARE = 0.04
+# Auto probe windows: their extra cost stays within this share of the planned fit (3%; 4% gave a 228-step fit at 2x
+# a second window, 7 samples of `T` instead of 3, for 3.6 s of probes instead of 1.8 s, 6.2% of a cached fit's
+# training time instead of 2.5%, and left a cached run's `T` 17% above the full run's step: docs/results.md) ...
+PROBE_SHARE = 0.03
 # ... in windows of this many steps (shorter only when the fit is too short for one).
 PROBE_WINDOW = 4
 
@@ -66,9 +67,9 @@ def auto_probe_plan(total_steps: int | None, selections: int | None, speedup: fl
 
     Example:
         >>> auto_probe_plan(total_steps=600, selections=10, speedup=2.0)
-        ProbePlan(steps=4, every=2)
-        >>> auto_probe_plan(total_steps=50, selections=5, speedup=2.0)
-        ProbePlan(steps=2, every=5)
+        ProbePlan(steps=4, every=3)
+        >>> auto_probe_plan(total_steps=100, selections=5, speedup=2.0)
+        ProbePlan(steps=3, every=5)
     """
     if total_steps is None or selections is None:
         return ProbePlan(steps=PROBE_WINDOW)
@@ -101,7 +102,7 @@ def plan_schedule(
 
     Example:
         >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100)
-        Schedule(interval=1, unit='epoch', probe_steps=4, steps_per_epoch=(20,), probe_every=5, total_steps=100)
+        Schedule(interval=1, unit='epoch', probe_steps=3, steps_per_epoch=(20,), probe_every=5, total_steps=100)
         >>> plan_schedule(2, "step", 2, 2.0, steps_per_epoch=(20,), total_steps=100).message[:43]
         '`probe_steps` must be fewer than the optimi'
     """

@@ -21,7 +21,14 @@ from torch import nn
 
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import BnPolicy, apply_bn_policy, apply_mask, invalidate_compiled_graphs, pins
+from lightning_elastic.freezing import (
+    BnPolicy,
+    apply_bn_policy,
+    apply_mask,
+    compiled_graphs,
+    invalidate_compiled_graphs,
+    pins,
+)
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.planner import Reach, WallClockPlan, reach
 from lightning_elastic.profiling import TimingProfile
@@ -31,13 +38,9 @@ from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
 
-# A selection's first steps are checked against what the plan expected of them: after this many measured steps ...
-REPLAN_AFTER = 4
-# ... a mean more than this share off the expected seconds re-plans at once (the time model's error is not the same
-# for every trainable set, so the correction learnt from one selection can be far off for the next) ...
-REPLAN_TOLERANCE = 0.10
-# ... at most this many times in a row, so that a time model that cannot be fitted does not churn the selection.
-REPLANS = 2
+# After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
+# re-plans at once, at most REPLANS times in a row (`FitSession.off_plan`).
+REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
 
 TOTALS = (
     "profile_seconds",
@@ -395,8 +398,3 @@ class FitSession:
         if state.get("plan"):
             restored = WallClockPlan.from_state(state["plan"])
             self.plan = restored if restored.speedup == self.plan.speedup else self.plan
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (dynamo's own counter)."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.session import compiled_graphs
+from lightning_elastic.freezing import compiled_graphs
 from tests.integration.test_callback import Recorder, elastic
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 

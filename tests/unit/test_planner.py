@@ -74,8 +74,8 @@ def test_state_round_trip() -> None:
 @pytest.mark.parametrize(
     ("steps", "selections", "speedup", "expected"),
     [
-        (600, 10, 2.0, ProbePlan(4, 2)),
-        (50, 5, 2.0, ProbePlan(2, 5)),
+        (600, 10, 2.0, ProbePlan(4, 3)),
+        (100, 5, 2.0, ProbePlan(3, 5)),
         (150, 5, 2.0, ProbePlan(4, 5)),
         (10_000, 10, 1.5, ProbePlan(4, 1)),
         (20, 2, 3.0, ProbePlan(1, 2)),
@@ -167,9 +167,9 @@ def test_a_ceiling_is_never_shown_rounded_up() -> None:
 
 
 def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
-    # 10 steps an epoch, 100 steps, 10 selections: the share allows floor(0.04 * 100 / 1) = 4 probe steps in all.
+    # 10 steps an epoch, 100 steps, 10 selections: the share allows floor(0.03 * 100 / 1) = 3 probe steps in all.
     auto = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(10,), total_steps=100)
-    assert auto == Schedule(1, "epoch", 4, (10,), probe_every=10, total_steps=100)
+    assert auto == Schedule(1, "epoch", 3, (10,), probe_every=10, total_steps=100)
     # a window of 4 steps (the default) would fill a 4-step period: cut to one step fewer than the period
     short = plan_schedule(4, "step", "auto", 1.1, steps_per_epoch=math.inf, total_steps=1000)
     assert isinstance(short, Schedule) and short.probe_steps == 3
