@@ -304,8 +304,8 @@ class FitSession:
     def off_plan(self, trainer: L.Trainer) -> bool:
         """Whether to re-plan now: the selection in force measured its first `REPLAN_AFTER` steps more than
         `REPLAN_TOLERANCE` off what the plan expected of them (the time model's seconds times the plan's
-        correction), it is not the `REPLANS`-th re-plan in a row, at least `REPLAN_AFTER` steps are left before the
-        schedule changes the trainable set anyway, and a new selection could differ (not the cheapest selection
+        correction), it is not the `REPLANS`-th re-plan in a row, `2 * REPLAN_AFTER` steps or more are left before
+        the schedule changes the trainable set anyway, and a new selection could differ (not the cheapest selection
         running slow, nor running fast a selection that every tensor, or the time left, did not limit). Decided
         alike on every rank: the measured ratio is averaged. A re-plan may keep the mask (the target moved too little).
         """
@@ -313,7 +313,7 @@ class FitSession:
             return False
         if all(r.replanned for r in self.history[-REPLANS:]) and len(self.history) >= REPLANS:
             return False
-        if self.schedule.steps_to_next_change(trainer.global_step) < REPLAN_AFTER:
+        if self.schedule.steps_to_next_change(trainer.global_step) < 2 * REPLAN_AFTER:
             return False
         decision = self.history[-1].decision
         expected = self.plan.expected(decision.predicted_seconds)

@@ -27,6 +27,7 @@ class FitSummary:
     Attributes:
         target_speedup: the `speedup` asked.
         selections: how many selections the fit made.
+        replans: of them, how many replaced a selection whose first steps measured off the plan.
         steps: optimizer steps the contract counted.
         probe_steps: of them, steps in probe windows (every tensor trained).
         selected_fraction: tensors trained at the last selection, as a share of all tensors.
@@ -52,6 +53,7 @@ class FitSummary:
 
     target_speedup: float
     selections: int
+    replans: int
     steps: int
     probe_steps: int
     selected_fraction: float
@@ -100,7 +102,7 @@ class FitSummary:
             f"{self.selected_step_seconds * 1e3:.1f} ms against a full step {self.full_step_seconds * 1e3:.1f} ms",
             f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit): profile {self.profile_seconds:.1f} s, "
             f"probes {self.probe_seconds:.1f} s ({self.probe_steps} full steps), selections "
-            f"{self.select_seconds + self.apply_seconds:.2f} s ({self.selections})",
+            f"{self.select_seconds + self.apply_seconds:.2f} s ({self.selections}, {self.replans} re-planned)",
             f"  trained            {self.selected_fraction:.0%} of tensors, {self.selected_elements_fraction:.0%} of "
             f"parameter elements at the last selection",
             f"  most often trained {trained}",
@@ -129,6 +131,7 @@ def fit_summary(
     summary = FitSummary(
         target_speedup=target_speedup,
         selections=len(history),
+        replans=sum(r.replanned for r in history),
         steps=plan.steps_done if plan is not None else 0,
         probe_steps=plan.full_samples if plan is not None else 0,
         selected_fraction=(last.mask.count(True) / len(last.mask)) if last else math.nan,

@@ -102,6 +102,7 @@ def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: 
     assert abs(account[plain] - 1) > 0.10
     assert account[replanned] == pytest.approx(1.0, abs=0.03)
     flags = [r.replanned for r in replanned.history]
+    assert replanned.summary()["replans"] == sum(flags) and "re-planned" in replanned.report().table()
     assert any(flags) and "1" * (session.REPLANS + 1) not in "".join("1" if f else "0" for f in flags)
     for record, following in zip(replanned.history, replanned.history[1:], strict=False):
         if following.replanned:  # each re-plan came after exactly the checked steps of the selection before it

@@ -48,7 +48,7 @@ def test_summary_compares_the_fit_with_full_fine_tuning() -> None:
         "(10 steps x 1000.0 ms); 5.0 s planned"
     )
     assert lines[2] == (
-        "  elastic's own time 2.3 s (46% of the fit): profile 0.0 s, probes 2.0 s (2 full steps), selections 0.30 s (2)"
+        "  elastic's own time 2.3 s (46% of the fit): profile 0.0 s, probes 2.0 s (2 full steps), selections 0.30 s (2, 0 re-planned)"
     )
     assert lines[4] == "  most often trained head.weight (2/2), block.weight (1/2)"
     assert len(lines) == 5  # no "why not met" line
