@@ -2,17 +2,17 @@
 
 Each run is a fresh process (a first fit: profiling inside the fit's first step, no cache) that reads two figures at
 marks: the resident set's high-water mark (`VmHWM` in /proc/self/status: what the machine sees, but the allocator's
-fragmentation moves it by tens of MiB; `--rss-only` reads it without the profiler, whose records grow it) and the exact bytes of live tensors, from the allocation events of
-`torch.profiler` (`total_allocated`, bytes allocated since the fit started minus those freed: every CPU tensor,
-activations and autograd's saved tensors included). The tensor figure is the one to attribute with: its peak
-within each phase is exact and the same from run to run. Phases: the first step up to its update (`step 1`; for
-elastic its forward and backward pass, then `profiling`, the profile's passes), the steps that follow, and, inside
-profiling, each kind of pass. At the start of profiling the script also counts what the first step holds (its
-gradients) and what the profile's passes keep between passes (input leaves and their gradients, kept through the
-autograd nodes of a pass's record), and, at every mark, glibc's heap (`mallinfo2`: its size, of which free, and
-the bytes mapped outside it): the resident set grows when fragmentation leaves no free block large enough.
-`MALLOC_MMAP_THRESHOLD_=131072` in the environment puts every block above 128 KiB outside the heap, returned to the
-system when freed: the resident set then follows live memory, the same from run to run.
+fragmentation moves it by tens of MiB; `--rss-only` reads it without the profiler, whose records grow it) and the
+exact bytes of live tensors, from the allocation events of `torch.profiler` (`total_allocated`, bytes allocated since
+the fit started minus those freed: every CPU tensor, activations and autograd's saved tensors included). The tensor
+figure is the one to attribute with: its peak within each phase is exact and the same from run to run. Phases: the
+first step up to its update (`step 1`; for elastic its forward and backward pass, then `profiling`, the profile's
+passes), the steps that follow, and, inside profiling, each kind of pass. At the start of profiling the script also
+counts what the first step holds (its gradients) and what the profile's passes keep between passes (input leaves and
+their gradients, kept through the autograd nodes of a pass's record), and, at every mark, glibc's heap (`mallinfo2`:
+its size, of which free, and the bytes mapped outside it): the resident set grows when fragmentation leaves no free
+block large enough. `MALLOC_MMAP_THRESHOLD_=131072` in the environment puts every block above 128 KiB outside the
+heap, returned to the system when freed: the resident set then follows live memory, the same from run to run.
 
 Models: ``linear`` (6 x Linear(1024, 1024): weights dominate) and ``lite0`` (EfficientNet-Lite0 on ELPV at 96 px,
 batch 32: the real case). Optimizers: Adam and momentum SGD.
