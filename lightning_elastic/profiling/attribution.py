@@ -110,20 +110,20 @@ class Structure:
 
     def costs(self, full: list[Pass], dx: list[Pass], none: list[Pass]) -> RawCosts:
         """Median node and op times of the instrumented passes, turned into raw costs."""
-        names = [n.name() for n in self.record.nodes]
-        full_seconds = aligned_median(names, full, lambda p: ([n.name() for n in p.nodes], p.node_seconds))
+        names = self.record.node_names
+        full_seconds = aligned_median(names, full, lambda p: (p.node_names, p.node_seconds))
         data_nodes = [n for n in self.record.nodes if self.data[n]]
         data_names = [n.name() for n in data_nodes]
         full_data = [t for n, t in zip(self.record.nodes, full_seconds, strict=True) if self.data[n]]
         try:
-            dx_list = aligned_median(data_names, dx, lambda p: ([n.name() for n in p.nodes], p.node_seconds))
+            dx_list = aligned_median(data_names, dx, lambda p: (p.node_names, p.node_seconds))
         except StructureMismatch:
             # Some ops take another route when their parameters are frozen (matmul folds differently, a
             # parameter's expand disappears): line the two graphs up where they agree.
             dx_list = [
                 statistics.median(column)
                 for column in zip(
-                    *(matched([n.name() for n in p.nodes], p.node_seconds, data_names, full_data) for p in dx),
+                    *(matched(p.node_names, p.node_seconds, data_names, full_data) for p in dx),
                     strict=True,
                 )
             ]

@@ -157,9 +157,10 @@ class Pass:
     op_names: list[str] = field(default_factory=list)
     op_seconds: list[float] = field(default_factory=list)
     op_kept: list[Any] = field(default_factory=list)
-    nodes: list[Node] = field(default_factory=list)  # non-AccumulateGrad nodes by sequence number
+    node_names: list[str] = field(default_factory=list)  # non-AccumulateGrad nodes by sequence number
     node_seconds: list[float] = field(default_factory=list)
-    leaf_nodes: list[Node] = field(default_factory=list)  # AccumulateGrad nodes
+    nodes: list[Node] = field(default_factory=list)  # those nodes, kept only by a pass whose graph attribution walks
+    leaf_nodes: list[Node] = field(default_factory=list)  # AccumulateGrad nodes (idem)
     leaf_seconds: list[float] = field(default_factory=list)
     sources: list[Node] = field(default_factory=list)
 

@@ -160,11 +160,32 @@ def _kept_as_found(
     device = candidates[0][1].device
     cuda_devices = sorted({p.device.index or 0 for _, p in candidates if p.device.type == "cuda"})
     state = ModelState(model)
+    # The passes need their gradients computed, not kept: each is dropped as soon as it is accumulated, so that a
+    # pass never holds a second set of gradients on top of the caller's (the first step's, held by `state`).
+    drops = [p.register_post_accumulate_grad_hook(_drop_grad) for _, p in candidates]
     try:
         with torch.random.fork_rng(devices=cuda_devices), python_rng_kept():
             yield Runner(model, compute_loss, candidates, DeviceClock(device, clock))
     finally:
+        for handle in drops:
+            handle.remove()
         state.restore()
+
+
+def _drop_grad(param: Tensor) -> None:
+    param.grad = None
+
+
+def _release(leaves: list[Tensor]) -> None:
+    """Free the memory of a pass's input leaves (module inputs, and their gradients) once its backward has run.
+
+    A full pass's record keeps their autograd nodes (`Pass.leaf_nodes`: attribution needs them as graph nodes, not
+    their values), and each node keeps its leaf: without this, the record would keep those inputs (activations),
+    and their gradients, through the passes that follow.
+    """
+    for leaf in leaves:
+        leaf.grad = None
+        leaf.data = leaf.data.new_empty(0)
 
 
 @dataclass
@@ -250,7 +271,10 @@ class Runner:
         return cache_key(self.signature(), self.device, self.candidates, method)
 
     def instrumented(self, kind: Literal["full", "dx", "none"], keep: Callable[..., Any] | None = None) -> Pass:
-        """One pass with forward ops timed and, unless ``kind == "none"``, every backward node timed."""
+        """One pass with forward ops timed and, unless ``kind == "none"``, every backward node timed.
+
+        With ``keep`` (what to keep of each forward op), the record also keeps the pass's graph for attribution.
+        """
         self._set_mask([kind == "full"] * len(self.params))
         recorder = OpRecorder(self.clock, keep or (lambda func, args, kwargs, out: None))
         record = Pass()
@@ -261,18 +285,25 @@ class Runner:
             with self.leaves.active(recorder) as (leaves, sources):
                 with recorder:
                     loss = self._loss()
-                record.sources = sources
+                if keep is not None:  # the graph that attribution walks
+                    record.sources = sources
                 if loss.requires_grad:
-                    self._timed_backward(loss, record)
+                    self._timed_backward(loss, record, keep_graph=keep is not None)
                 elif kind == "full":
                     raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
-            del leaves
+            _release(leaves)
         record.op_names = recorder.names
         record.op_seconds = recorder.seconds()
         record.op_kept = recorder.kept
         return record
 
-    def _timed_backward(self, loss: Tensor, record: Pass) -> None:
+    def _timed_backward(self, loss: Tensor, record: Pass, keep_graph: bool) -> None:
+        """Time every node of the backward pass of ``loss``; keep the nodes themselves only with ``keep_graph``.
+
+        Passes kept with their nodes keep small objects alive all over the memory their activations took, which
+        the allocator then cannot reuse for the larger blocks of the next passes: only the graph attribution walks
+        is kept (see docs/memory.md).
+        """
         nodes = walk(loss.grad_fn)
         starts: dict[Node, Any] = {}
         ends: dict[Node, Any] = {}
@@ -291,10 +322,12 @@ class Runner:
             return self.clock.seconds(starts[node], ends[node]) if node in ends else 0.0
 
         ops = sorted((n for n in nodes if n.name() != ACCUMULATE_GRAD), key=lambda n: n._sequence_nr())
-        record.nodes = ops
+        record.node_names = [n.name() for n in ops]
         record.node_seconds = [seconds(n) for n in ops]
-        record.leaf_nodes = [n for n in nodes if n.name() == ACCUMULATE_GRAD]
-        record.leaf_seconds = [seconds(n) for n in record.leaf_nodes]
+        leaves = [n for n in nodes if n.name() == ACCUMULATE_GRAD]
+        record.leaf_seconds = [seconds(n) for n in leaves]
+        if keep_graph:
+            record.nodes, record.leaf_nodes = ops, leaves
 
     # -- the two methods ------------------------------------------------------------------------------
 
@@ -324,11 +357,13 @@ class Runner:
         none_passes = [self.instrumented("none") for _ in range(repeats)]
         structure = Structure(full_passes[0], self.params)
         t_dw, t_dy, t_tail = structure.costs(full_passes, dx_passes, none_passes).model()
+        order = structure.order
+        del structure, full_passes  # their graph's nodes, small but all over memory, before the plain timings
         knots = calibration_knots(t_dw, t_dy, SEGMENTS)
         self.progress(3, PHASES, f"plain timings of {len(knots)} selections, {repeats} or more rounds (calibration)")
-        t_fw, times = suffix_times(self.plain, len(self.params), structure.order, knots, repeats)
+        t_fw, times = suffix_times(self.plain, len(self.params), order, knots, repeats)
         t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
-        return Result(structure.order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
+        return Result(order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
 
     def _run_flops(self, repeats: int) -> Result:
         n = len(self.params)
@@ -354,13 +389,14 @@ class Runner:
         )
         record.leaf_nodes = [n for n in walk(loss.grad_fn) if n.name() == ACCUMULATE_GRAD]
         structure = Structure(record, self.params)
-        del loss
+        raw, order = structure.flop_costs(record), structure.order
+        # The recorded graph ran no backward pass: its nodes still hold the forward's saved activations.
+        del loss, record, structure, recorder
         # A full step bracketed by plain forwards, re-timed while the machine is disturbed (as calibration does).
         self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
-        t_fw, (t_full,) = suffix_times(self.plain, len(self.params), structure.order, [0], repeats)
-        raw = structure.flop_costs(record)
+        t_fw, (t_full,) = suffix_times(self.plain, len(self.params), order, [0], repeats)
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
         scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
         raw.scale(scale)
-        return Result(structure.order, *raw.model(), t_fw=t_fw, t_full=t_full)
+        return Result(order, *raw.model(), t_fw=t_fw, t_full=t_full)
 
