@@ -27,6 +27,7 @@ from lightning_elastic.freezing import (
     apply_mask,
     compiled_graphs,
     invalidate_compiled_graphs,
+    is_compiled,
     pins,
 )
 from lightning_elastic.importance import ImportanceEvaluator
@@ -84,6 +85,7 @@ class FitSession:
     warned_nonfinite: bool = False
     warming: bool = True  # the next step is the first with this trainable set (or of the process): not a sample
     graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
+    compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
 
     @classmethod
     def start(
@@ -136,6 +138,7 @@ class FitSession:
             bn_policy=bn_policy,
             plan=plan,
             latest=[0.0] * len(params),
+            compiled=is_compiled(pl_module),
         )
 
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
@@ -176,13 +179,13 @@ class FitSession:
         self.bn_frozen = apply_bn_policy(trainer.lightning_module, self.bn_policy, self.bn_frozen)
 
     def set_trainable(self, mask: Sequence[bool]) -> None:
-        """Set `requires_grad` to `mask`; if that changes the trainable set of a compiled model, the next step warms
-        up (torch.compile guards on `requires_grad`). An eager step with a new set is as fast as the next, so it is a
-        sample of step time like any other: Lite0 on ELPV, two fits re-selecting every 8 steps, the first step of a
-        selection 190 and 151 ms against 189 and 154 ms for the one after it."""
+        """Set `requires_grad` to `mask`; if that changes the trainable set of a compiled model (or dynamo compiled
+        in this fit), the next step warms up (torch.compile guards on `requires_grad`). An eager step with a new set
+        is as fast as the next, so it is a sample of step time: Lite0 on ELPV, two fits re-selecting every 8 steps,
+        the first step of a selection 190 and 151 ms against 189 and 154 ms for the one after it."""
         if [p.requires_grad for p in self.params] != list(mask):
             apply_mask(self.params, mask)
-            self.warming = self.warming or compiled_graphs() > 0
+            self.warming = self.warming or self.compiled or compiled_graphs() > self.graphs_at_start
 
     def close_probe(self) -> None:
         """The window's full steps measure `T` for the plan."""
@@ -374,9 +377,18 @@ class FitSession:
         }
 
     def restore(self, state: dict[str, Any] | None) -> None:
-        """Put a checkpoint's selection, window, importance and account back before the first resumed step."""
+        """Put a checkpoint's selection, window, importance and account back before the first resumed step; only the
+        account when the checkpoint's fit profiled another set of tensors (said: its per-tensor state cannot apply)."""
         if not state:
             return
+        if len(saved := state.get("latest") or self.params) != len(self.params):
+            rank_zero_warn(
+                f"ElasticTensorSelection: the checkpoint's fit selected among {len(saved)} tensors, this fit among "
+                f"{len(self.params)} (`train_never`, `train_always` or the tensors frozen before the fit changed): its "
+                "importance, selection and history are not resumed; its wall-clock account is. Every tensor trains "
+                "until the next selection, which uses the importance measured from here."
+            )
+            state = {k: v for k, v in state.items() if k in ("totals", "plan")}
         mask = state.get("mask")
         if mask is not None and len(mask) == len(self.params):
             self.mask = Mask.of(mask)

@@ -257,3 +257,25 @@ def test_a_checkpoint_whose_profile_covers_the_train_never_tensors_is_resumed_wi
     assert resumed.timing_profile == old_profile
     assert recorder.trainable[0] == tuple(state["mask"])  # the checkpoint's selection trains the first resumed step
     assert not any(step[k] for step in recorder.trainable for k in (0, 1))  # net.0.weight, net.0.bias: never
+
+
+def test_a_checkpoint_of_a_fit_over_other_tensors_resumes_its_account_only(tmp_path: Path) -> None:
+    """The checkpoint's fit froze `net.0` before profiling (8 tensors); the resumed fit trains all 10, so it profiles
+    again and the checkpoint's per-tensor state (importance, mask, history) cannot apply: said, and left out, with
+    its wall-clock account kept (restoring that state crashed on the length mismatch)."""
+    settings: dict[str, Any] = dict(speedup=1.001, probe_steps=2, interval=1, calibrate=False, cache_dir=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
+    never = ElasticTensorSelection(train_never=["net.0.*"], **settings)
+    tiny_trainer(callbacks=[never, checkpoint], max_steps=10, enable_checkpointing=True).fit(TinyNet(), tiny_data())
+    ckpt = next(tmp_path.glob("*step=10.ckpt"))
+    assert never._fit is not None and len(never._fit.params) == 8
+    spent = never._fit.plan.spent
+
+    resumed, recorder = ElasticTensorSelection(**settings), Recorder()
+    with pytest.warns(UserWarning, match=r"the checkpoint's fit selected among 8 tensors, this fit among 10 .* "
+                      r"not resumed; its wall-clock account is"):
+        tiny_trainer(callbacks=[resumed, recorder], max_steps=24).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
+    fit_ = resumed._fit
+    assert fit_ is not None and len(fit_.params) == 10 and fit_.plan.spent > spent >= 0
+    assert all(recorder.trainable[0])  # no selection of the old fit: every tensor trains until the next one
+    assert [r.step for r in resumed.history] == [16] and len(resumed.history[0].mask) == 10

@@ -115,8 +115,8 @@ def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_ti
 ) -> None:
     """Compiling costs the first step of every new trainable set 5 full steps: the plan still learns `T` and the
     correction from steady steps (exactly those of the fit without compiling), and the fit pays for every compile.
-    The process has compiled graphs (dynamo's counter), as a compiled module's would."""
-    monkeypatch.setattr(session, "compiled_graphs", lambda: 1)
+    The module counts as compiled, as `torch.compile(module)`'s would."""
+    monkeypatch.setattr(session, "is_compiled", lambda module: True)
     settings: dict[str, Any] = dict(speedup=1.5, interval=8, interval_unit="step", probe_steps=3)
     device = VirtualDevice(1.0, compile_seconds=5 * PROFILE.t_full)
     compiled = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
