@@ -52,6 +52,7 @@ WARMUP_STEPS = 4
 TOTALS = (
     "profile_seconds",
     "probe_seconds",
+    "probe_steps",
     "select_seconds",
     "apply_seconds",
     "warmup_seconds",
@@ -198,7 +199,6 @@ class FitSession:
         """The window's full steps measure `T` for the plan."""
         self.probe_end = None
         self.plan.observe_full_steps(self.probe_full)
-        self.totals["probe_seconds"] += math.fsum(self.probe_full)
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.
@@ -238,6 +238,9 @@ class FitSession:
         optimizer = math.fsum(self.optimizer_timer.pop())
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1
+        if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
+            self.totals["probe_seconds"] += seconds - overhead
+            self.totals["probe_steps"] += 1
         if self.warming or self.steps_timed <= WARMUP_STEPS:
             # One of the process's first steps, or the first step with a new trainable set of a compiled module
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time

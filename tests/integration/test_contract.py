@@ -130,6 +130,9 @@ def test_the_first_steps_of_a_process_are_charged_but_never_taken_for_step_time(
     summary = callback.summary()
     assert device.full_seconds / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03)
     assert summary["warmup_seconds"] > 0
+    # every probe step is the callback's own time, the first window's warm-up steps (at `factor`) included
+    assert summary["probe_steps"] >= 6 and summary["probe_steps"] % 3 == 0
+    assert summary["probe_seconds"] == pytest.approx((summary["probe_steps"] + 3 * (factor - 1)) * PROFILE.t_full)
 
 
 def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time(
