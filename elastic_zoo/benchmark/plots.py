@@ -64,7 +64,7 @@ def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float, metric: Met
             label=f"{fraction:.0%} of full's best",
         )
     axes.set_xlabel("training seconds into the fit (profiling and probes included, validation left out)")
-    axes.set_ylabel(f"best validation {LABELS[metric]} so far (%), mean ± sd over seeds")
+    axes.set_ylabel(f"best validation {LABELS[metric]} so far (%)\nmean ± sd over seeds")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()

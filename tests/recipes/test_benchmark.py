@@ -179,7 +179,7 @@ def test_tables_read_out_the_chosen_metric_of_runs_that_recorded_both(tmp_path: 
     assert "- final balanced accuracy within 1 point of full fine-tuning: 60.0% vs 70.0% (-10.0), **missed**" in report
     figure = accuracy_figure(BOTH, 0.99, "balanced_acc")
     [axes] = figure.axes
-    assert axes.get_ylabel() == "best validation balanced accuracy so far (%), mean ± sd over seeds"
+    assert axes.get_ylabel() == "best validation balanced accuracy so far (%)\nmean ± sd over seeds"
     full_line = next(line for line in axes.get_lines() if line.get_label() == "full")
     assert max(full_line.get_ydata()) == pytest.approx(70.0)  # full's best balanced accuracy, not its 80% plain
 
