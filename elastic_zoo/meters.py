@@ -1,5 +1,5 @@
-"""What a benchmark run measures besides accuracy: step times, the validation curve in wall-clock time, peak
-memory and energy.
+"""What a benchmark run measures: balanced accuracy (besides torchmetrics' plain accuracy), step times, the
+validation curves in wall-clock time, peak memory and energy.
 
 Energy is read from the GPU's own counter through NVML (`libnvidia-ml`, loaded with ctypes, so no extra package)
 when the run is on an NVIDIA GPU that has one; everywhere else it is estimated as wall time x a power figure, and
@@ -13,7 +13,7 @@ import ctypes
 import math
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +21,8 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_elastic.timing import StepTimer
@@ -28,17 +30,60 @@ from lightning_elastic.timing import StepTimer
 EnergySource = Literal["nvml", "estimate"]
 
 
+class BalancedAccuracy(Metric):
+    """The mean over classes of each class's recall, counted over every batch since the last reset.
+
+    Exact over a whole split: it keeps, per class, the samples of that class (the confusion matrix's row sums) and
+    those predicted right (its diagonal), not a mean of per-batch figures. A class with no sample among the labels
+    counted is left out of the mean (its recall is undefined), even when it was predicted.
+
+    Args:
+        num_classes: how many classes the logits score.
+
+    Example:
+        >>> metric = BalancedAccuracy(num_classes=3)
+        >>> logits = torch.eye(3)[[0, 0, 0, 1, 2]]  # predicts 0, 0, 0, 1, 2
+        >>> metric.update(logits, torch.tensor([0, 0, 0, 0, 1]))  # class 0: 3 of 4, class 1: 0 of 1, class 2: absent
+        >>> metric.compute()
+        tensor(0.3750)
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+    correct: Tensor
+    support: Tensor
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.add_state("correct", default=torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("support", default=torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
+
+    @override
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        right = logits.argmax(dim=1) == labels
+        self.support += torch.bincount(labels, minlength=self.num_classes)
+        self.correct += torch.bincount(labels[right], minlength=self.num_classes)
+
+    @override
+    def compute(self) -> Tensor:
+        present = self.support > 0
+        return (self.correct[present] / self.support[present]).mean()
+
+
 @dataclass
 class EpochPoint:
-    """One validation: the epoch it closed, seconds since fitting started, and the monitored metric.
+    """One validation: the epoch it closed, seconds since fitting started, and each monitored metric's value.
 
     `train_seconds` is `seconds` without the validations so far (this one included): the training time spent
-    to reach `value`, the clock on which methods are compared at equal wall clock.
+    to reach `values`, the clock on which methods are compared at equal wall clock. `values` maps each logged
+    name (e.g. "val/acc") to its value, NaN when it was not logged.
     """
 
     epoch: int
     seconds: float
-    value: float
+    values: dict[str, float]
     train_seconds: float
 
 
@@ -52,22 +97,22 @@ class RunRecord:
 
 
 class RunRecorder(Callback):
-    """Records every training step's time, the time spent validating, and `monitor` after each validation.
+    """Records every training step's time, the time spent validating, and each of `monitors` after each validation.
 
     Times of the validation curve count from `setup` of the fit, so they include everything the fit did before:
     profiling, probes, selections, earlier validations.
 
     Args:
-        monitor: the logged metric to record after each validation, e.g. "val/acc".
+        monitors: the logged metrics to record after each validation, e.g. ["val/acc", "val/balanced_acc"].
         clock: seconds from a monotonic clock (injectable for tests).
 
     Example:
-        >>> recorder = RunRecorder("val/acc")
+        >>> recorder = RunRecorder(["val/acc", "val/balanced_acc"])
         >>> trainer = L.Trainer(callbacks=[recorder], max_epochs=1)
     """
 
-    def __init__(self, monitor: str, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.monitor = monitor
+    def __init__(self, monitors: Sequence[str], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.monitors = list(monitors)
         self.record = RunRecord()
         self._clock = clock
         self._started = math.nan
@@ -107,14 +152,10 @@ class RunRecorder(Callback):
         _synchronize(pl_module.device)
         now = self._clock()
         self.record.validation_seconds += now - self._validation_started
-        value = trainer.callback_metrics.get(self.monitor)
+        logged = trainer.callback_metrics
+        values = {name: float(logged[name]) if name in logged else math.nan for name in self.monitors}
         seconds = now - self._started
-        point = EpochPoint(
-            trainer.current_epoch,
-            seconds,
-            math.nan if value is None else float(value),
-            seconds - self.record.validation_seconds,
-        )
+        point = EpochPoint(trainer.current_epoch, seconds, values, seconds - self.record.validation_seconds)
         self.record.curve.append(point)
 
     @override

@@ -13,12 +13,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from elastic_zoo.meters import BalancedAccuracy
+
 OptimizerName = Literal["sgd", "adam", "adamw"]
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
 
 class ImageClassifier(L.LightningModule):
-    """Fine-tunes `model` with cross-entropy; logs `train/loss`, `val/acc`, `test/acc`.
+    """Fine-tunes `model` with cross-entropy; logs its loss, accuracy and balanced accuracy.
+
+    Logged: `train/loss`, `train/acc`, `val/loss`, `val/acc`, `test/loss`, `test/acc`, and `val/balanced_acc`,
+    `test/balanced_acc`: the mean over classes of each class's recall over the whole split (`BalancedAccuracy`).
 
     Example:
         >>> from elastic_zoo.models import tiny_cnn
@@ -57,6 +62,8 @@ class ImageClassifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_balanced_acc = BalancedAccuracy(num_classes)
+        self.test_balanced_acc = BalancedAccuracy(num_classes)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
@@ -78,12 +85,16 @@ class ImageClassifier(L.LightningModule):
         self.val_acc(logits, labels)
         self.log("val/loss", loss)
         self.log("val/acc", self.val_acc, prog_bar=True)
+        self.val_balanced_acc(logits, labels)
+        self.log("val/balanced_acc", self.val_balanced_acc)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, logits, labels = self._loss(batch)
         self.test_acc(logits, labels)
         self.log("test/loss", loss)
         self.log("test/acc", self.test_acc)
+        self.test_balanced_acc(logits, labels)
+        self.log("test/balanced_acc", self.test_balanced_acc)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]

@@ -39,6 +39,7 @@ from elastic_zoo.benchmark.measure import run_isolated
 from elastic_zoo.benchmark.methods import benchmark_problems, methods_of, run_config
 from elastic_zoo.benchmark.paired import paired_report
 from elastic_zoo.benchmark.plots import log_tensorboard, plot_accuracy, plot_selections
+from elastic_zoo.benchmark.readout import read_out
 from elastic_zoo.benchmark.report import failures, markdown_report, table_rows, write_csv
 from elastic_zoo.recipe import ConfigError, build, exit_on_config_error, quiet_console
 
@@ -71,6 +72,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     if problems:
         raise ConfigError(problems)
     output_dir = Path(cfg.paths.output_dir)
+    metric = cfg.benchmark.metric
     (output_dir / "runs").mkdir(parents=True, exist_ok=True)
     runs = []
     started = time.perf_counter()
@@ -82,7 +84,8 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
             outcome = (
                 f"FAILED: {result['error']}"
                 if "error" in result
-                else f"fit {result['wall_seconds']:.1f} s, final {cfg.benchmark.monitor} {result['final_accuracy']:.4f}"
+                else f"fit {result['wall_seconds']:.1f} s, final val/{metric} "
+                f"{read_out([result], metric)[0]['final_accuracy']:.4f}"
             )
             print(
                 f"[benchmark] {method.name} seed {seed}: {outcome}, "
@@ -95,12 +98,13 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     fraction = float(cfg.benchmark.accuracy_fraction)
     report = f"# Benchmark\n\nEvery run failed: nothing to compare.\n{failures(failed)}"
     if done:
-        rows = table_rows(done, fraction)
+        rows = table_rows(done, fraction, metric)
         write_csv(rows, output_dir / "results.csv")
-        plot_accuracy(done, fraction, output_dir / "accuracy_vs_time.png")
+        plot_accuracy(done, fraction, output_dir / "accuracy_vs_time.png", metric)
         plot_selections(done, output_dir / "selection_maps.png")
-        report = markdown_report(cfg, rows, time.perf_counter() - started) + paired_report(done) + failures(failed)
-        log_tensorboard(done, report, fraction, output_dir)
+        seconds = time.perf_counter() - started
+        report = markdown_report(cfg, rows, seconds) + paired_report(done, metric) + failures(failed)
+        log_tensorboard(done, report, fraction, output_dir, metric)
     (output_dir / "results.md").write_text(report)
     print(report)
     if failed:

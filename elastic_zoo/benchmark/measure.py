@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from elastic_zoo.benchmark.methods import Method
+from elastic_zoo.benchmark.readout import METRICS
 from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
 from elastic_zoo.recipe import build, quiet_console, seed_everything, set_threads
@@ -69,7 +70,7 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
     # a schedule's trained set changes during the fit (NaN); the elastic run's is its selections' mean, below
     result.update(seed=int(cfg.seed), offline_seconds=setup.offline_seconds, total_tensors=total)
     result["trained_tensors"] = setup.trained_tensors
-    recorder = RunRecorder(str(cfg.benchmark.monitor))
+    recorder = RunRecorder([f"val/{metric}" for metric in METRICS])  # every metric: any read-out can be made
     trainer.callbacks.append(recorder)  # type: ignore[attr-defined]
 
     before = {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
@@ -90,16 +91,13 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
 
     record = recorder.record
     updated = [name for name, p in module.named_parameters() if not torch.equal(p.detach().cpu(), before[name])]
-    accuracies = [p.value for p in record.curve]
     result.update(
         wall_seconds=wall,
         validation_seconds=record.validation_seconds,
         steps=len(record.step_seconds),
         mean_step_seconds=mean_or_nan(record.step_seconds),
         curve=[asdict(p) for p in record.curve],
-        best_accuracy=max(accuracies, default=math.nan),
-        final_accuracy=accuracies[-1] if accuracies else math.nan,
-        test_accuracy=float(tested[0].get("test/acc", math.nan)) if tested else math.nan,
+        test={f"test/{m}": float(tested[0].get(f"test/{m}", math.nan)) if tested else math.nan for m in METRICS},
         val_images=val_images,
         test_images=test_images,
         peak_memory_mb=peak,

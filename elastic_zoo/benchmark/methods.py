@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from elastic_zoo.benchmark.readout import METRICS
 from elastic_zoo.method import BackboneFinetuning, LinearFreeze, StaticLastK
 from elastic_zoo.recipe import CONF_DIR
 
@@ -62,7 +63,7 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
     Example:
         >>> benchmark_problems(OmegaConf.create({"benchmark": {"seeds": [], "baselines": ["full"],
         ...     "elastic_speedups": [2.0], "static_speedup": 2.0, "backbone_unfreeze_epoch": 1,
-        ...     "reference_speedup": 2.0, "accuracy_fraction": 0.99, "monitor": "val/acc", "freeze_start": 0.5,
+        ...     "reference_speedup": 2.0, "accuracy_fraction": 0.99, "metric": "acc", "freeze_start": 0.5,
         ...     "freeze_level": 1.0}}))
         ['benchmark: `seeds` must be a non-empty list of distinct ints. Found: []']
     """
@@ -100,6 +101,8 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
             problems += str(err).split("; ")
     if not (_is_number(bench.accuracy_fraction) and 0 < bench.accuracy_fraction <= 1):
         problems.append(f"`accuracy_fraction` must be a number in (0, 1]. Found: {bench.accuracy_fraction!r}")
+    if bench.metric not in METRICS:
+        problems.append(f"`metric` must be one of {METRICS}. Found: {bench.metric!r}")
     return [f"benchmark: {p}" for p in problems]
 
 

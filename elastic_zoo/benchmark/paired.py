@@ -7,6 +7,9 @@ whether one method is ahead, behind, or cannot be told apart from the other ("ti
 "Accuracy at equal wall clock" is a run's best validation accuracy up to a common training time (validation
 left out of the clock: every method validates the same images after every epoch, and a faster method validates
 more often). The common times, per seed: each elastic run's end, and half of full fine-tuning's training time.
+
+The functions below read runs as `readout.read_out` gives them (one value per curve point); `paired_report` takes
+the runs as recorded and the metric to read out.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from elastic_zoo.benchmark.readout import LABELS, Metric, read_out
 from elastic_zoo.benchmark.report import cell, mean_spread
 
 LEVEL = 0.95  # two-sided confidence of every interval
@@ -151,18 +155,22 @@ def best_static(runs: Runs, times: Mapping[int, float]) -> str | None:
     return max(finite, key=lambda name: finite[name]) if finite else None
 
 
-def paired_report(runs: Sequence[dict[str, Any]]) -> str:
-    """Markdown: accuracy at equal wall clock for every method, and each elastic run against every other method."""
-    grouped = by_method_and_seed(runs)
+def paired_report(runs: Sequence[dict[str, Any]], metric: Metric = "acc") -> str:
+    """Markdown: `metric` at equal wall clock for every method, and each elastic run against every other method.
+
+    `runs` as recorded (runs.json): `metric` chooses the read-out, "acc" or "balanced_acc" (see `readout`).
+    """
+    grouped = by_method_and_seed(read_out(runs, metric))
     times = common_times(grouped)
     if not times:
         return ""
     labels = list(times)
+    label = LABELS[metric]
     lines = [
         "",
-        "## Accuracy at equal wall clock",
+        f"## {label.capitalize()} at equal wall clock",
         "",
-        "Each run's best validation accuracy (%) within a common training time (validation left out of the clock), "
+        f"Each run's best validation {label} (%) within a common training time (validation left out of the clock), "
         "per seed: the end of each elastic run, and half of full fine-tuning's training time. Mean ± sample "
         "standard deviation over seeds; n/a: no validation yet by then.",
         "",
@@ -176,12 +184,12 @@ def paired_report(runs: Sequence[dict[str, Any]]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name in grouped:
         if f"end of {name}" in times:
-            lines += _against_others(name, grouped, times)
+            lines += _against_others(name, grouped, times, label)
     return "\n".join(lines) + "\n"
 
 
-def _against_others(name: str, grouped: Runs, times: Mapping[str, Mapping[int, float]]) -> list[str]:
-    """One elastic method minus every other method, paired by seed: final accuracy and at every common time."""
+def _against_others(name: str, grouped: Runs, times: Mapping[str, Mapping[int, float]], label: str) -> list[str]:
+    """One elastic method minus every other method, paired by seed: final `label` and at every common time."""
     own_end = f"end of {name}"
     labels = [own_end, *(["half of full"] if "half of full" in times else [])]
     ours = grouped[name]
@@ -189,10 +197,10 @@ def _against_others(name: str, grouped: Runs, times: Mapping[str, Mapping[int, f
         "",
         f"### {name} minus each other method, paired by seed",
         "",
-        f"Points of accuracy, mean [{LEVEL:.0%} CI, Student t over the seeds both ran]; ahead / behind: the "
+        f"Points of {label}, mean [{LEVEL:.0%} CI, Student t over the seeds both ran]; ahead / behind: the "
         f"interval excludes 0; tie: it contains 0.",
         "",
-        "| other method | final accuracy | " + " | ".join(f"at {label}" for label in labels) + " |",
+        f"| other method | final {label} | " + " | ".join(f"at {label}" for label in labels) + " |",
         "|---|---:|" + "---:|" * len(labels),
     ]
     for other, theirs in grouped.items():

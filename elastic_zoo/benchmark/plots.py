@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image
 
 from elastic_zoo.benchmark.paired import by_method_and_seed, common_times, curve_band, training_end
+from elastic_zoo.benchmark.readout import LABELS, Metric, read_out
 
 MAP_DPI = 100  # the maps are drawn at one image pixel per figure pixel: their text stays sharp
 
@@ -24,13 +25,15 @@ def _pyplot() -> Any:
     return plt
 
 
-def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float) -> Any:
-    """Best validation accuracy so far against training seconds (validation left out) for every method.
+def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric = "acc") -> Any:
+    """Best validation `metric` so far against training seconds (validation left out) for every method.
 
     A line is the mean over seeds, the band one sample standard deviation; a curve starts once every seed has
     validated, and a finished run keeps its best accuracy to the right edge (a dot marks the method's mean end).
-    Dotted vertical lines mark the common times of the equal-wall-clock table.
+    Dotted vertical lines mark the common times of the equal-wall-clock table. `runs` as recorded; `metric`:
+    "acc" or "balanced_acc" (see `readout`).
     """
+    runs = read_out(runs, metric)
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 5))
     grouped = by_method_and_seed(runs)
@@ -61,15 +64,15 @@ def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float) -> Any:
             label=f"{fraction:.0%} of full's best",
         )
     axes.set_xlabel("training seconds into the fit (profiling and probes included, validation left out)")
-    axes.set_ylabel("best validation accuracy so far (%), mean ± sd over seeds")
+    axes.set_ylabel(f"best validation {LABELS[metric]} so far (%)\nmean ± sd over seeds")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
     return figure
 
 
-def plot_accuracy(runs: Sequence[dict[str, Any]], fraction: float, path: Path) -> None:
-    figure = accuracy_figure(runs, fraction)
+def plot_accuracy(runs: Sequence[dict[str, Any]], fraction: float, path: Path, metric: Metric = "acc") -> None:
+    figure = accuracy_figure(runs, fraction, metric)
     figure.savefig(path, dpi=120)
     _pyplot().close(figure)
 
@@ -112,20 +115,23 @@ def plot_selections(runs: Sequence[dict[str, Any]], path: Path) -> None:
         _pyplot().close(figure)
 
 
-def log_tensorboard(runs: Sequence[dict[str, Any]], report: str, fraction: float, output_dir: Path) -> None:
-    """The table, the plots and every run's accuracy against whole seconds into its fit, under `summary/`."""
+def log_tensorboard(
+    runs: Sequence[dict[str, Any]], report: str, fraction: float, output_dir: Path, metric: Metric = "acc"
+) -> None:
+    """The table, the plots and every run's `metric` against whole seconds into its fit, under `summary/`."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(output_dir / "tensorboard" / "summary"))
     try:
         writer.add_text("benchmark/results", report)
-        writer.add_figure("benchmark/accuracy_vs_time", accuracy_figure(runs, fraction))
+        writer.add_figure("benchmark/accuracy_vs_time", accuracy_figure(runs, fraction, metric))
         figure = selections_figure(runs)
         if figure is not None:
             writer.add_figure("benchmark/selections", figure)
-        for r in runs:
+        name = LABELS[metric].replace(" ", "_")
+        for r in read_out(runs, metric):
             for point in r["curve"]:
-                tag = f"accuracy_vs_seconds/{r['method']}/seed_{r['seed']}"
+                tag = f"{name}_vs_seconds/{r['method']}/seed_{r['seed']}"
                 writer.add_scalar(tag, point["value"], round(point["seconds"]))
     finally:
         writer.close()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from elastic_zoo.benchmark.readout import LABELS, MEANINGS, Metric, read_out
 from elastic_zoo.recipe import chosen_option
 
 # Baselines that train one fixed set of tensors: the elastic selection must beat them at the same budget.
@@ -32,8 +33,12 @@ def time_to_accuracy(curve: Sequence[dict[str, float]], target: float) -> float:
     return next((p["seconds"] for p in curve if p["value"] >= target), math.nan)
 
 
-def table_rows(runs: Sequence[dict[str, Any]], fraction: float) -> list[dict[str, Any]]:
-    """One flat row per run, with the figures that compare it with the full fine-tuning run of the same seed."""
+def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric = "acc") -> list[dict[str, Any]]:
+    """One flat row per run, with the figures that compare it with the full fine-tuning run of the same seed.
+
+    Accuracies, and the time to reach `fraction` of full's best, are of `metric` (see `readout`).
+    """
+    runs = read_out(runs, metric)
     full = {r["seed"]: r for r in runs if r["kind"] == "full"}
     rows = []
     for r in runs:
@@ -43,6 +48,7 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float) -> list[dict[str
             {
                 "method": r["method"],
                 "seed": r["seed"],
+                "metric": metric,
                 "wall_s": r["wall_seconds"],
                 "speedup_vs_full": reference["wall_seconds"] / r["wall_seconds"] if reference else math.nan,
                 # The contract's figure: the training part of the fit (validation left out) against full's.
@@ -147,6 +153,7 @@ def _by_method(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
 def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: float) -> str:
     """The results as markdown: the comparison table, the elastic runs' own figures, and the targets."""
     bench = cfg.benchmark
+    metric = str(bench.metric)
     grouped = _by_method(rows)
     seeds = list(bench.seeds)
     fraction = float(bench.accuracy_fraction)
@@ -167,16 +174,17 @@ def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: fl
         f"- evaluation: {_sizes(rows, 'val_images')} validation images (one image = "
         f"{100 / max(1, min(r['val_images'] for r in rows)):.2f} points), {_sizes(rows, 'test_images')} test images",
         "- wall: the whole fit (training, every validation; for elastic also profiling, probes, selections); "
-        "step: mean of every training step; accuracy: validation (`" + str(bench.monitor) + "`), best and final "
-        "epoch; test: the final model on the test split",
+        f"step: mean of every training step; {metric}: {LABELS[metric]} ({MEANINGS[metric]}) on validation "
+        f"(`val/{metric}`), best and final epoch; test: the final model on the test split (`test/{metric}`)",
         f"- time to target: first validation reaching {fraction:.0%} of full fine-tuning's best (same seed); "
         f"energy: {energy_note}",
         f"- contention check: each run's CPU time over wall time x {torch.get_num_threads()} threads was "
         f"{min(r['cpu_share'] for r in rows):.0%} to {max(r['cpu_share'] for r in rows):.0%} (well below 100%: "
         "the run waited for the CPU, or for data loading and Python)",
         "",
-        "| method | tensors trained | wall (s) | speedup vs full | training speedup vs full | step (ms) | best acc (%) "
-        f"| final acc (%) | test acc (%) | time to {fraction:.0%} of full (s) | peak memory (MiB) | energy (Wh) |",
+        "| method | tensors trained | wall (s) | speedup vs full | training speedup vs full | step (ms) "
+        f"| best {metric} (%) | final {metric} (%) | test {metric} (%) | time to {fraction:.0%} of full (s) "
+        "| peak memory (MiB) | energy (Wh) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, group in grouped.items():
@@ -243,6 +251,7 @@ def targets(cfg: DictConfig, grouped: dict[str, list[dict[str, Any]]]) -> list[s
     def verdict(met: bool) -> str:
         return "met" if met else "**missed**"
 
+    label = LABELS[str(cfg.benchmark.metric)]
     wall = mean(ours, "speedup_vs_full")
     step = mean(ours, "step_fraction")
     accuracy, full_accuracy = mean(ours, "final_acc"), mean(full, "final_acc")
@@ -258,7 +267,7 @@ def targets(cfg: DictConfig, grouped: dict[str, list[dict[str, Any]]]) -> list[s
         f"- selected step <= {TARGET_STEP_FRACTION} of the full step measured in the same run: {step:.3f}, "
         f"{verdict(step <= TARGET_STEP_FRACTION)} (against the full fine-tuning run's mean step: "
         f"{mean(ours, 'step_vs_full_run'):.3f})",
-        f"- final accuracy within {TARGET_ACCURACY_POINTS:g} point of full fine-tuning: {accuracy * 100:.1f}% vs "
+        f"- final {label} within {TARGET_ACCURACY_POINTS:g} point of full fine-tuning: {accuracy * 100:.1f}% vs "
         f"{full_accuracy * 100:.1f}% ({(accuracy - full_accuracy) * 100:+.1f}), "
         f"{verdict(accuracy >= full_accuracy - TARGET_ACCURACY_POINTS / 100)}",
     ]
@@ -266,7 +275,7 @@ def targets(cfg: DictConfig, grouped: dict[str, list[dict[str, Any]]]) -> list[s
         if name in grouped:
             other = mean(grouped[name], "final_acc")
             lines.append(
-                f"- final accuracy above {name} (step {mean(grouped[name], 'mean_step_ms'):.0f} ms vs "
+                f"- final {label} above {name} (step {mean(grouped[name], 'mean_step_ms'):.0f} ms vs "
                 f"{mean(ours, 'mean_step_ms'):.0f} ms): {accuracy * 100:.1f}% vs {other * 100:.1f}%, "
                 f"{verdict(accuracy > other)}"
             )

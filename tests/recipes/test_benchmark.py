@@ -18,7 +18,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from elastic_zoo.benchmark.methods import Method, benchmark_problems, methods_of, run_config
-from elastic_zoo.benchmark.plots import plot_selections
+from elastic_zoo.benchmark.plots import accuracy_figure, plot_selections
 from elastic_zoo.benchmark.report import markdown_report, table_rows, time_to_accuracy
 from elastic_zoo.models import tiny_cnn
 from elastic_zoo.module import ImageClassifier
@@ -29,7 +29,7 @@ from tests.recipes.recipe_fakes import CONF, REPO, compose_config, fake_fashion_
 
 PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
 CSV_COLUMNS = [
-    "method", "seed", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
+    "method", "seed", "metric", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
     "overhead_share", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
     "final_acc", "test_acc", "val_images", "test_images", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
     "total_tensors", "offline_s", "profile_s", "probe_s", "select_s", "freeze_s", "full_step_ms", "selected_step_ms",
@@ -69,7 +69,7 @@ def test_the_default_run_is_the_published_setting(tmp_path: Path) -> None:
 def test_benchmark_settings_are_checked_together(tmp_path: Path) -> None:
     cfg = compose_config(
         ["benchmark.seeds=[1,1]", "benchmark.baselines=[full,lora]", "benchmark.elastic_speedups=[0.5]",
-         "benchmark.accuracy_fraction=2", "benchmark.freeze_start=-0.1"],
+         "benchmark.accuracy_fraction=2", "benchmark.freeze_start=-0.1", "benchmark.metric=f1"],
         tmp_path,
         name="benchmark",
     )  # fmt: skip
@@ -80,6 +80,7 @@ def test_benchmark_settings_are_checked_together(tmp_path: Path) -> None:
         "benchmark: `elastic_speedups` must be distinct numbers > 1. Found: [0.5]",
         "benchmark: `freeze_start` must be a number in [0, 1). Found: -0.1",
         "benchmark: `accuracy_fraction` must be a number in (0, 1]. Found: 2",
+        "benchmark: `metric` must be one of ('acc', 'balanced_acc'). Found: 'f1'",
     ]
 
 
@@ -95,18 +96,21 @@ def _run(method: str, kind: str, seed: int, wall: float, accuracies: list[float]
     }  # fmt: skip
 
 
+# An elastic run's own figures, for the tables
+ELASTIC = {
+    "elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "select_seconds": 0.01, "full_step_seconds": 0.4,
+                "selected_step_seconds": 0.2, "measured_speedup": 2.0, "selections": 3.0},
+    "freeze_seconds": 0.002, "mask_changes": [0, 2], "speedup": 2.0,
+}  # fmt: skip
+
+
 def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path: Path) -> None:
-    elastic = {
-        "elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "select_seconds": 0.01, "full_step_seconds": 0.4,
-                    "selected_step_seconds": 0.2, "measured_speedup": 2.0, "selections": 3.0},
-        "freeze_seconds": 0.002, "mask_changes": [0, 2], "speedup": 2.0,
-    }  # fmt: skip
     runs = [
         _run("full", "full", 0, 100.0, [0.5, 0.8, 0.9]),
-        _run("elastic_2x", "elastic", 0, 50.0, [0.6, 0.895, 0.89], **elastic),
+        _run("elastic_2x", "elastic", 0, 50.0, [0.6, 0.895, 0.89], **ELASTIC),
         _run("head_only", "head_only", 0, 20.0, [0.5, 0.6, 0.6]),
         _run("full", "full", 1, 120.0, [0.7, 0.7, 0.7]),
-        _run("elastic_2x", "elastic", 1, 60.0, [0.6, 0.6, 0.7], **elastic),
+        _run("elastic_2x", "elastic", 1, 60.0, [0.6, 0.6, 0.7], **ELASTIC),
         _run("head_only", "head_only", 1, 30.0, [0.5, 0.5, 0.7]),
     ]
     rows = table_rows(runs, 0.99)
@@ -133,6 +137,60 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     assert "- final accuracy within 1 point of full fine-tuning: 79.5% vs 80.0% (-0.5), met" in report
     assert "- final accuracy above head_only (step 1250 ms vs 2750 ms): 79.5% vs 65.0%, met" in report
     assert "- selected step <= 0.55 of the full step measured in the same run: 0.500, met (against the full " in report
+
+
+def _recorded(
+    method: str, kind: str, wall: float, acc: list[float], balanced: list[float], tested: tuple[float, float], **extra: Any
+) -> dict[str, Any]:
+    """A run of seed 0 as runs.json holds it now: both metrics at every validation and at the test."""
+    run = _run(method, kind, 0, wall, acc, **extra)
+    for key in ("best_accuracy", "final_accuracy", "test_accuracy"):
+        del run[key]
+    run["curve"] = [
+        {"epoch": e, "seconds": wall * (e + 1) / len(acc), "values": {"val/acc": a, "val/balanced_acc": b}}
+        for e, (a, b) in enumerate(zip(acc, balanced, strict=True))
+    ]
+    run["test"] = {"test/acc": tested[0], "test/balanced_acc": tested[1]}
+    return run
+
+
+BOTH = [
+    _recorded("full", "full", 100.0, [0.6, 0.8], [0.5, 0.7], (0.81, 0.66)),
+    _recorded("elastic_2x", "elastic", 50.0, [0.7, 0.8], [0.65, 0.6], (0.74, 0.62), **ELASTIC),
+]
+
+
+def test_tables_read_out_the_chosen_metric_of_runs_that_recorded_both(tmp_path: Path) -> None:
+    plain = {r["method"]: r for r in table_rows(BOTH, 0.99)}
+    balanced = {r["method"]: r for r in table_rows(BOTH, 0.99, "balanced_acc")}
+    assert [(r["metric"], r["best_acc"], r["final_acc"], r["test_acc"]) for r in plain.values()] == [
+        ("acc", 0.8, 0.8, 0.81), ("acc", 0.8, 0.8, 0.74)
+    ]  # fmt: skip
+    assert [(r["metric"], r["best_acc"], r["final_acc"], r["test_acc"]) for r in balanced.values()] == [
+        ("balanced_acc", 0.7, 0.7, 0.66), ("balanced_acc", 0.65, 0.6, 0.62)
+    ]  # fmt: skip
+    # 99% of full's best: 0.792 plain, reached by elastic at its second validation (50 s); 0.693 balanced, never
+    assert plain["elastic_2x"]["time_to_target_s"] == 50.0 and math.isnan(balanced["elastic_2x"]["time_to_target_s"])
+    cfg = compose_config(["benchmark.seeds=[0]", "benchmark.metric=balanced_acc"], tmp_path, name="benchmark")
+    report = markdown_report(cfg, list(balanced.values()), 60.0)
+    assert "| best balanced_acc (%) | final balanced_acc (%) | test balanced_acc (%) |" in report
+    assert "| 2.00 | 2.02 | 2500 | 65.0 | 60.0 | 62.0 | n/a |" in report
+    assert "balanced_acc: balanced accuracy (the mean over classes of each class's recall" in report
+    assert "- final balanced accuracy within 1 point of full fine-tuning: 60.0% vs 70.0% (-10.0), **missed**" in report
+    figure = accuracy_figure(BOTH, 0.99, "balanced_acc")
+    [axes] = figure.axes
+    assert axes.get_ylabel() == "best validation balanced accuracy so far (%)\nmean ± sd over seeds"
+    full_line = next(line for line in axes.get_lines() if line.get_label() == "full")
+    assert max(full_line.get_ydata()) == pytest.approx(70.0)  # full's best balanced accuracy, not its 80% plain
+
+
+def test_runs_recorded_before_balanced_accuracy_read_out_as_plain_accuracy_only() -> None:
+    old = [_run("full", "full", 0, 100.0, [0.5, 0.8])]
+    assert table_rows(old, 0.99)[0]["best_acc"] == 0.8
+    with pytest.raises(ValueError, match=r"`metric` 'balanced_acc' needs runs that recorded it; full seed 0 was "):
+        table_rows(old, 0.99, "balanced_acc")
+    with pytest.raises(ValueError, match=r"`metric` must be one of \('acc', 'balanced_acc'\). Found: 'f1'"):
+        table_rows(BOTH, 0.99, "f1")  # type: ignore[arg-type]
 
 
 def test_the_selections_plot_shows_each_elastic_runs_own_selection_map_unscaled(tmp_path: Path) -> None:
@@ -212,7 +270,10 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
         assert r["steps"] == 8 and 0 < steps + r["validation_seconds"] < r["wall_seconds"]
         # benchmark.yaml holds out a quarter (60 of the 240 training images), tiny.yaml evaluates 2 batches of 16
         assert (r["val_images"], r["test_images"]) == (32, 32)
-        assert 0 <= r["final_accuracy"] <= 1 and r["curve"][-1]["value"] == r["final_accuracy"]
+        # both metrics at every validation and at the test (the module logs them; tiny data: any value in [0, 1])
+        assert all(set(p["values"]) == {"val/acc", "val/balanced_acc"} for p in r["curve"])
+        assert all(0 <= v <= 1 for p in r["curve"] for v in p["values"].values())
+        assert set(r["test"]) == {"test/acc", "test/balanced_acc"} and all(0 <= v <= 1 for v in r["test"].values())
         assert r["energy_source"] == "estimate"
         assert r["energy_joules"] == pytest.approx(r["wall_seconds"] * 15.0, rel=1e-3)  # device=cpu: 15 W
         assert r["peak_memory_mb"] > 50 and 0 < r["cpu_share"] <= 1.05
@@ -234,8 +295,15 @@ def test_a_cached_elastic_run_reads_the_profile_its_first_run_left(tmp_path: Pat
     cfg = compose_config(["benchmark=contract"], tmp_path, name="benchmark")
     methods = {m.name: m for m in methods_of(cfg)}
     first, cached = methods["elastic_2x"], methods["elastic_2x_cached"]
-    assert cached.cached and not first.cached and list(methods).index("elastic_2x_cached") > list(methods).index("elastic_2x")
+    assert (
+        cached.cached
+        and not first.cached
+        and list(methods).index("elastic_2x_cached") > list(methods).index("elastic_2x")
+    )
     assert run_config(cfg, first, 3)["elastic"]["cache_dir"] == run_config(cfg, cached, 3)["elastic"]["cache_dir"]
-    assert run_config(cfg, first, 3)["elastic"]["cache_dir"] != run_config(cfg, methods["elastic_3x"], 3)["elastic"]["cache_dir"]
+    assert (
+        run_config(cfg, first, 3)["elastic"]["cache_dir"]
+        != run_config(cfg, methods["elastic_3x"], 3)["elastic"]["cache_dir"]
+    )
     cfg.benchmark.elastic_cached_speedups = [2.5]
     assert any("`elastic_cached_speedups` must be distinct speedups among" in p for p in benchmark_problems(cfg))

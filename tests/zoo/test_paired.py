@@ -124,3 +124,37 @@ def test_band_averages_the_same_seeds_at_every_time() -> None:
     assert [t for t, _, _ in band] == [5.0, 10.0]  # at 4 s no seed has validated
     assert band[1][1] == pytest.approx((0.71 + 0.74 + 0.70) / 3)
     assert band[1][2] == pytest.approx(stats.tstd([0.71, 0.74, 0.70]))
+
+
+def _both(run: dict[str, Any]) -> dict[str, Any]:
+    """`run` as runs.json holds it now: its values become balanced accuracy, and half of them plain accuracy."""
+    curve = [
+        {**{k: v for k, v in p.items() if k != "value"}, "values": {"val/acc": p["value"] / 2, "val/balanced_acc": p["value"]}}
+        for p in run["curve"]
+    ]  # fmt: skip
+    old = {k: v for k, v in run.items() if k != "final_accuracy"}
+    return {**old, "curve": curve, "test": {"test/acc": 0.0, "test/balanced_acc": 0.0}}
+
+
+def _halved(run: dict[str, Any]) -> dict[str, Any]:
+    """`run` recorded before balanced accuracy was, with half its values."""
+    curve = [{**p, "value": p["value"] / 2} for p in run["curve"]]
+    return {**run, "curve": curve, "final_accuracy": run["final_accuracy"] / 2}
+
+
+def test_report_reads_out_the_chosen_metric_of_runs_that_recorded_both() -> None:
+    both = [_both(r) for r in RUNS]
+    balanced = paired_report(both, "balanced_acc")
+    # the old runs' figures (their values are the balanced ones), the metric named in the text
+    named = (
+        paired_report(RUNS).replace(" accuracy", " balanced accuracy").replace("## Accuracy", "## Balanced accuracy")
+    )
+    assert balanced == named
+    assert "## Balanced accuracy at equal wall clock" in balanced
+    assert "| other method | final balanced accuracy |" in balanced
+    assert "| static_last_k | 73.3 ± 1.2 | 73.3 ± 1.2 |" in balanced
+    plain = paired_report(both, "acc")
+    assert "| static_last_k | 36.7 ± 0.6 | 36.7 ± 0.6 |" in plain  # half of 0.72, 0.74, 0.74
+    assert plain == paired_report([_halved(r) for r in RUNS])
+    with pytest.raises(ValueError, match=r"`metric` 'balanced_acc' needs runs that recorded it; full seed 0 was "):
+        paired_report(RUNS, "balanced_acc")
