@@ -23,10 +23,10 @@ from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import (
     BnPolicy,
+    CompiledCodes,
     apply_bn_policy,
     apply_mask,
     compiled_graphs,
-    invalidate_compiled_graphs,
     is_compiled,
     pins,
 )
@@ -86,6 +86,7 @@ class FitSession:
     warming: bool = True  # the next step is the first with this trainable set (or of the process): not a sample
     graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
+    compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
 
     @classmethod
     def start(
@@ -186,6 +187,7 @@ class FitSession:
         if [p.requires_grad for p in self.params] != list(mask):
             apply_mask(self.params, mask)
             self.warming = self.warming or self.compiled or compiled_graphs() > self.graphs_at_start
+            self.compiled_codes.watch()
 
     def close_probe(self) -> None:
         """The window's full steps measure `T` for the plan."""
@@ -234,6 +236,7 @@ class FitSession:
             # The first step with a new trainable set compiles (torch.compile guards on `requires_grad`) or
             # allocates: charged to the fit, but no sample of the steady step time that `T` and the correction read.
             self.warming = False
+            self.compiled_codes.collect()
             self.totals["warmup_seconds"] += seconds
             self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)
         elif self.probe_end is not None:
@@ -340,11 +343,12 @@ class FitSession:
         return record
 
     def apply(self, pl_module: nn.Module, mask: Mask) -> None:
-        """Train the tensors of `mask`: their flags, the BatchNorm policy, and compiled graphs if the set changed."""
+        """Train the tensors of `mask`: their flags, the BatchNorm policy, and this fit's compiled graphs if the set
+        changed (`freezing.CompiledCodes`: only the codes the fit's steps compiled, never dynamo as a whole)."""
         self.set_trainable(mask)
         self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
         if self.warming:
-            invalidate_compiled_graphs(pl_module)
+            self.compiled_codes.reset()
 
     def enter(self, record: SelectionRecord, select_seconds: float, apply_seconds: float) -> None:
         """Keep the selection now in force, and charge its own seconds to the plan (not to the next step)."""
