@@ -28,6 +28,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -310,8 +311,17 @@ class ElasticTensorSelection(Callback):
             self._first.timer.stop()
 
     @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._first is not None:  # after steps that skipped their backward pass: the first step is yet to come
+            self._first.timer.stop()
+
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._fit is not None and trainer.training:
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return  # `trainer.training` is False here: Lightning sets it back after this hook
+        if self._first is not None:
+            self._first.timer.start()
+        if self._fit is not None:
             self._fit.step_timer.start()  # validation is the same with and without the callback: not counted
 
     # ------------------------------------------------------------------ 4. select and 5. apply
