@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_elastic import reporting
+from lightning_elastic import reporting, resume
 from lightning_elastic.arguments import PositiveInt, Speedup, constructor_problems
 from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError
@@ -229,7 +229,7 @@ class ElasticTensorSelection(Callback):
         limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
-        fit.restore(self._restored)
+        resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
         reporting.announce(trainer, prof, self._speedup, total_steps, schedule)
@@ -389,7 +389,7 @@ class ElasticTensorSelection(Callback):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"version": STATE_VERSION, "profile": self._profile and self._profile.to_dict()}
         if self._fit is not None:
-            state.update(self._fit.state_dict())
+            state.update(resume.fit_state(self._fit))
         return state
 
     @override
