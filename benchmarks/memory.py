@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_elastic import ElasticTensorSelection
-from lightning_elastic.profiling import harness, runner
+from lightning_elastic.profiling import harness, passes
 
 MARK = "memory-mark:"
 MiB = 2**20
@@ -122,23 +122,23 @@ def instrument() -> None:
 
     harness.profile = profile  # type: ignore[assignment]
     for kind in ("plain", "instrumented"):
-        original = getattr(runner.Runner, kind)
+        original = getattr(passes.Runner, kind)
 
-        def wrapped(self: runner.Runner, *args: Any, _original: Any = original, _kind: str = kind, **kw: Any) -> Any:
+        def wrapped(self: passes.Runner, *args: Any, _original: Any = original, _kind: str = kind, **kw: Any) -> Any:
             label = _kind if _kind == "plain" else f"instrumented {args[0] if args else kw['kind']}"
             mark(f"pass {label}")
             out = _original(self, *args, **kw)
             mark(f"pass end {label}")
             return out
 
-        setattr(runner.Runner, kind, wrapped)
-    original_costs = runner.Structure.costs
+        setattr(passes.Runner, kind, wrapped)
+    original_costs = passes.Structure.costs
 
     def costs(self: Any, full: list[Any], dx: list[Any], none: list[Any]) -> Any:
         HELD["kept by the passes' records"] = kept_bytes([*full, *dx, *none]) / MiB
         return original_costs(self, full, dx, none)
 
-    runner.Structure.costs = costs  # type: ignore[method-assign]
+    passes.Structure.costs = costs  # type: ignore[method-assign]
 
 
 def kept_bytes(passes: list[Any]) -> int:

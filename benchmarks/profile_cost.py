@@ -35,7 +35,7 @@ from elastic_zoo.data import ElpvDataModule
 from elastic_zoo.models import efficientnet_lite0
 from elastic_zoo.module import ImageClassifier
 from lightning_elastic import ElasticTensorSelection, callback
-from lightning_elastic.profiling import attribution, harness, runner, state
+from lightning_elastic.profiling import attribution, harness, passes, runner, state
 
 SPANS: dict[str, list[float]] = defaultdict(list)
 
@@ -60,25 +60,26 @@ def instrument() -> None:
     timed(harness, "_first_batch", "first batch")
     timed(state.ModelState, "__init__", "model snapshot")
     timed(state.ModelState, "restore", "model restore")
-    timed(runner.Runner, "signature", "fingerprint pass")
-    timed(runner, "cache_key", "fingerprint hash")
-    original_instrumented = runner.Runner.instrumented
+    timed(passes.Runner, "signature", "fingerprint pass")
+    timed(runner, "cache_key", "fingerprint hash")  # the first step's key (runner), a pass's own (passes)
+    timed(passes, "cache_key", "fingerprint hash")
+    original_instrumented = passes.Runner.instrumented
 
-    def instrumented(self: runner.Runner, kind: str, keep: Callable[..., Any] | None = None) -> Any:
+    def instrumented(self: passes.Runner, kind: str, keep: Callable[..., Any] | None = None) -> Any:
         start = time.perf_counter()
         try:
             return original_instrumented(self, kind, keep)  # type: ignore[arg-type]
         finally:
             SPANS[f"instrumented pass: {kind}"].append(time.perf_counter() - start)
 
-    runner.Runner.instrumented = instrumented  # type: ignore[method-assign]
-    timed(runner.Runner, "_timed_backward", "  of which hooked backward")
+    passes.Runner.instrumented = instrumented  # type: ignore[method-assign]
+    timed(passes.Runner, "_timed_backward", "  of which hooked backward")
     timed(attribution.Structure, "__init__", "attribution: structure")
     timed(attribution.Structure, "costs", "attribution: costs")
-    timed(runner, "calibration_knots", "calibration knots")
-    timed(runner, "calibrate", "calibration fit")
-    timed(runner, "suffix_times", "plain timings (calibration)")
-    timed(runner.Runner, "plain", "  of which plain passes")
+    timed(passes, "calibration_knots", "calibration knots")
+    timed(passes, "calibrate", "calibration fit")
+    timed(passes, "suffix_times", "plain timings (calibration)")
+    timed(passes.Runner, "plain", "  of which plain passes")
     timed(runner, "store", "cache write")
     timed(runner, "load_cached", "cache read")
     started: list[float] = []
