@@ -42,6 +42,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.trainers import quiet_trainer
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.profiling import harness, passes
 
@@ -233,16 +234,7 @@ def fit(model: str, optimizer: str, elastic: bool, steps: int, tensors: bool) ->
     if elastic:
         instrument()
         callbacks.append(ElasticTensorSelection(speedup=1.2, cache_dir=False, log_images=False, calibrate=False))
-    trainer = L.Trainer(
-        max_epochs=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(callbacks, max_epochs=1)
     kwargs = {"train_dataloaders": data} if model == "linear" else {"datamodule": data}
     if not tensors:  # the profiler's records grow the resident set: without it, VmHWM is the fit's own
         trainer.fit(module, **kwargs)

@@ -31,6 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from benchmarks.trainers import quiet_trainer
 from elastic_zoo.data import ElpvDataModule
 from elastic_zoo.models import efficientnet_lite0
 from elastic_zoo.module import ImageClassifier
@@ -127,17 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = StepTimes(args.steps)
     elastic = ElasticTensorSelection(speedup=2.0, cache_dir=args.cache_dir or False, log_images=False)
     callbacks: list[L.Callback] = [steps] if args.baseline else [steps, elastic]
-    trainer = L.Trainer(
-        max_epochs=5,
-        limit_train_batches=30,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(callbacks, max_epochs=5, limit_train_batches=30)
     trainer.fit(module, datamodule=data)
     warm = statistics.median(steps.seconds[2:]) if len(steps.seconds) > 3 else float("nan")
     prof = None if args.baseline else elastic.timing_profile
