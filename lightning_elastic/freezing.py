@@ -207,8 +207,9 @@ class CompiledCodes:
 
     def reset(self) -> None:
         """Empty the caches of the fit's codes; the next step compiles them afresh (and is watched)."""
-        for code in self.codes:
-            reset_code(code)
+        with convert_frame.compile_lock:  # as torch's own resets do: no compile runs meanwhile
+            for code in self.codes:
+                reset_code(code)
         self.watch()
 
 
