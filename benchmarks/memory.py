@@ -42,8 +42,9 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.trainers import quiet_trainer
 from lightning_elastic import ElasticTensorSelection
-from lightning_elastic.profiling import harness, runner
+from lightning_elastic.profiling import harness, passes
 
 MARK = "memory-mark:"
 MiB = 2**20
@@ -122,23 +123,23 @@ def instrument() -> None:
 
     harness.profile = profile  # type: ignore[assignment]
     for kind in ("plain", "instrumented"):
-        original = getattr(runner.Runner, kind)
+        original = getattr(passes.Runner, kind)
 
-        def wrapped(self: runner.Runner, *args: Any, _original: Any = original, _kind: str = kind, **kw: Any) -> Any:
+        def wrapped(self: passes.Runner, *args: Any, _original: Any = original, _kind: str = kind, **kw: Any) -> Any:
             label = _kind if _kind == "plain" else f"instrumented {args[0] if args else kw['kind']}"
             mark(f"pass {label}")
             out = _original(self, *args, **kw)
             mark(f"pass end {label}")
             return out
 
-        setattr(runner.Runner, kind, wrapped)
-    original_costs = runner.Structure.costs
+        setattr(passes.Runner, kind, wrapped)
+    original_costs = passes.Structure.costs
 
     def costs(self: Any, full: list[Any], dx: list[Any], none: list[Any]) -> Any:
         HELD["kept by the passes' records"] = kept_bytes([*full, *dx, *none]) / MiB
         return original_costs(self, full, dx, none)
 
-    runner.Structure.costs = costs  # type: ignore[method-assign]
+    passes.Structure.costs = costs  # type: ignore[method-assign]
 
 
 def kept_bytes(passes: list[Any]) -> int:
@@ -233,16 +234,7 @@ def fit(model: str, optimizer: str, elastic: bool, steps: int, tensors: bool) ->
     if elastic:
         instrument()
         callbacks.append(ElasticTensorSelection(speedup=1.2, cache_dir=False, log_images=False, calibrate=False))
-    trainer = L.Trainer(
-        max_epochs=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(callbacks, max_epochs=1)
     kwargs = {"train_dataloaders": data} if model == "linear" else {"datamodule": data}
     if not tensors:  # the profiler's records grow the resident set: without it, VmHWM is the fit's own
         trainer.fit(module, **kwargs)

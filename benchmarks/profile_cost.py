@@ -31,11 +31,12 @@ from typing import Any
 import lightning as L
 import torch
 
+from benchmarks.trainers import quiet_trainer
 from elastic_zoo.data import ElpvDataModule
 from elastic_zoo.models import efficientnet_lite0
 from elastic_zoo.module import ImageClassifier
 from lightning_elastic import ElasticTensorSelection, callback
-from lightning_elastic.profiling import attribution, harness, runner, state
+from lightning_elastic.profiling import attribution, harness, passes, runner, state
 
 SPANS: dict[str, list[float]] = defaultdict(list)
 
@@ -60,25 +61,26 @@ def instrument() -> None:
     timed(harness, "_first_batch", "first batch")
     timed(state.ModelState, "__init__", "model snapshot")
     timed(state.ModelState, "restore", "model restore")
-    timed(runner.Runner, "signature", "fingerprint pass")
-    timed(runner, "cache_key", "fingerprint hash")
-    original_instrumented = runner.Runner.instrumented
+    timed(passes.Runner, "signature", "fingerprint pass")
+    timed(runner, "cache_key", "fingerprint hash")  # the first step's key (runner), a pass's own (passes)
+    timed(passes, "cache_key", "fingerprint hash")
+    original_instrumented = passes.Runner.instrumented
 
-    def instrumented(self: runner.Runner, kind: str, keep: Callable[..., Any] | None = None) -> Any:
+    def instrumented(self: passes.Runner, kind: str, keep: Callable[..., Any] | None = None) -> Any:
         start = time.perf_counter()
         try:
             return original_instrumented(self, kind, keep)  # type: ignore[arg-type]
         finally:
             SPANS[f"instrumented pass: {kind}"].append(time.perf_counter() - start)
 
-    runner.Runner.instrumented = instrumented  # type: ignore[method-assign]
-    timed(runner.Runner, "_timed_backward", "  of which hooked backward")
+    passes.Runner.instrumented = instrumented  # type: ignore[method-assign]
+    timed(passes.Runner, "_timed_backward", "  of which hooked backward")
     timed(attribution.Structure, "__init__", "attribution: structure")
     timed(attribution.Structure, "costs", "attribution: costs")
-    timed(runner, "calibration_knots", "calibration knots")
-    timed(runner, "calibrate", "calibration fit")
-    timed(runner, "suffix_times", "plain timings (calibration)")
-    timed(runner.Runner, "plain", "  of which plain passes")
+    timed(passes, "calibration_knots", "calibration knots")
+    timed(passes, "calibrate", "calibration fit")
+    timed(passes, "suffix_times", "plain timings (calibration)")
+    timed(passes.Runner, "plain", "  of which plain passes")
     timed(runner, "store", "cache write")
     timed(runner, "load_cached", "cache read")
     started: list[float] = []
@@ -126,17 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = StepTimes(args.steps)
     elastic = ElasticTensorSelection(speedup=2.0, cache_dir=args.cache_dir or False, log_images=False)
     callbacks: list[L.Callback] = [steps] if args.baseline else [steps, elastic]
-    trainer = L.Trainer(
-        max_epochs=5,
-        limit_train_batches=30,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(callbacks, max_epochs=5, limit_train_batches=30)
     trainer.fit(module, datamodule=data)
     warm = statistics.median(steps.seconds[2:]) if len(steps.seconds) > 3 else float("nan")
     prof = None if args.baseline else elastic.timing_profile

@@ -28,10 +28,11 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_elastic import reporting
+from lightning_elastic import reporting, resume
 from lightning_elastic.arguments import PositiveInt, Speedup, constructor_problems
 from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError
@@ -228,7 +229,7 @@ class ElasticTensorSelection(Callback):
         limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
-        fit.restore(self._restored)
+        resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
         reporting.announce(trainer, prof, self._speedup, total_steps, schedule)
@@ -310,8 +311,17 @@ class ElasticTensorSelection(Callback):
             self._first.timer.stop()
 
     @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._first is not None:  # after steps that skipped their backward pass: the first step is yet to come
+            self._first.timer.stop()
+
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._fit is not None and trainer.training:
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return  # `trainer.training` is False here: Lightning sets it back after this hook
+        if self._first is not None:
+            self._first.timer.start()
+        if self._fit is not None:
             self._fit.step_timer.start()  # validation is the same with and without the callback: not counted
 
     # ------------------------------------------------------------------ 4. select and 5. apply
@@ -379,7 +389,7 @@ class ElasticTensorSelection(Callback):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"version": STATE_VERSION, "profile": self._profile and self._profile.to_dict()}
         if self._fit is not None:
-            state.update(self._fit.state_dict())
+            state.update(resume.fit_state(self._fit))
         return state
 
     @override

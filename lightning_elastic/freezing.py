@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from types import CodeType
 from typing import Literal
 
 import torch
 from torch import nn
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+from torch._dynamo import convert_frame
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.records import Mask
@@ -170,16 +173,50 @@ def compiled_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def invalidate_compiled_graphs(model: nn.Module) -> None:
-    """Drop torch.compile's graphs of the previous selection.
+class CompiledCodes:
+    """The code objects whose torch.compile cache this fit's steps filled, so that a new selection empties theirs only.
 
-    Dynamo's guards on `requires_grad` already keep a stale graph from running, but each new selection adds a
-    cache entry; past the cache-size limit dynamo silently falls back to eager mode. Resetting keeps one graph, so
-    each change of the trainable set compiles once: that first step is charged to the fit as warm-up
-    (`warmup_seconds`, `compiled_graphs` in the summary) and kept out of the step times the plan learns from.
+    Dynamo keeps compiled graphs per code object (a function's, a resume function's after a graph break), each entry
+    guarded on `requires_grad`: a stale graph never runs, but every new trainable set adds an entry, and past
+    `torch._dynamo.config.recompile_limit` entries for the module dynamo falls back to eager mode for good. So each
+    change of the trainable set empties the caches of the codes that gained entries between a change (`watch`) and
+    the end of the next optimizer step (`collect`): the step compiles one graph per compiled region, charged to the
+    fit as warm-up. Only those codes are reset (`torch._C._dynamo.eval_frame.reset_code`), not dynamo as a whole
+    (`torch._dynamo.reset()` drops every compiled function and model of the process). Shared codes are reset with
+    all their entries: a compiled submodule runs through torch's one `wrap_inline` frame, which every compiled
+    module without hooks shares, and a class's `training_step` is shared by its instances (docs/compatibility.md).
+
+    Example:
+        >>> codes = CompiledCodes()
+        >>> codes.collect()  # nothing compiled since: no code is the fit's
+        >>> codes.codes
+        set()
     """
-    if is_compiled(model):
-        torch._dynamo.reset()
+
+    def __init__(self) -> None:
+        self.codes: set[CodeType] = set()
+        self._entries = _cache_entries()
+
+    def watch(self) -> None:
+        """The trainable set changed: what compiles from here until `collect` is this fit's."""
+        self._entries = _cache_entries()
+
+    def collect(self) -> None:
+        """Keep the codes that gained cache entries since `watch`."""
+        self.codes.update(code for code, n in _cache_entries().items() if n > self._entries.get(code, 0))
+
+    def reset(self) -> None:
+        """Empty the caches of the fit's codes; the next step compiles them afresh (and is watched)."""
+        with convert_frame.compile_lock:  # as torch's own resets do: no compile runs meanwhile
+            for code in self.codes:
+                reset_code(code)
+        self.watch()
+
+
+def _cache_entries() -> dict[CodeType, int]:
+    """Every code object dynamo has seen, with the number of compiled entries in its cache."""
+    codes = (ref() for ref in convert_frame.input_codes.seen)
+    return {code: len(_debug_get_cache_entry_list(code)) for code in codes if code is not None}
 
 
 def is_compiled(model: nn.Module) -> bool:

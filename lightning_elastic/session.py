@@ -1,9 +1,9 @@
 """One fit's runtime state: the tensors, the schedule, the measurements, the plan and what was selected.
 
-`FitSession` is created as each fit's training starts (so a second fit with the same callback starts clean),
-restored from a checkpoint, and saved into one. It measures every optimizer step (from the end of the one before,
-validation excepted), keeps the importance of every tensor up to date (in probe windows every tensor's, in between
-the trained tensors' own), and gives the BatchNorm modes it changed back when the fit ends (the user's
+`FitSession` is created as each fit's training starts (so a second fit with the same callback starts clean); `resume`
+saves it into a checkpoint and restores it from one. It measures every optimizer step (from the end of the one
+before, validation excepted), keeps the importance of every tensor up to date (in probe windows every tensor's, in
+between the trained tensors' own), and gives the BatchNorm modes it changed back when the fit ends (the user's
 `requires_grad` flags, taken before the fit froze its `train_never` tensors: `freezing.UserState`).
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import lightning as L
 import torch
@@ -23,10 +22,10 @@ from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import (
     BnPolicy,
+    CompiledCodes,
     apply_bn_policy,
     apply_mask,
     compiled_graphs,
-    invalidate_compiled_graphs,
     is_compiled,
     pins,
 )
@@ -94,6 +93,7 @@ class FitSession:
     steps_timed: int = 0  # optimizer steps this session measured (in this process): the first WARMUP_STEPS warm up
     graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
+    compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
 
     @classmethod
     def start(
@@ -194,6 +194,7 @@ class FitSession:
         if [p.requires_grad for p in self.params] != list(mask):
             apply_mask(self.params, mask)
             self.warming = self.warming or self.compiled or compiled_graphs() > self.graphs_at_start
+            self.compiled_codes.watch()
 
     def close_probe(self) -> None:
         """The window's full steps measure `T` for the plan."""
@@ -246,6 +247,7 @@ class FitSession:
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time
             # that `T` and the correction read.
             self.warming = False
+            self.compiled_codes.collect()
             self.totals["warmup_seconds"] += seconds
             self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)
         elif self.probe_end is not None:
@@ -352,11 +354,12 @@ class FitSession:
         return record
 
     def apply(self, pl_module: nn.Module, mask: Mask) -> None:
-        """Train the tensors of `mask`: their flags, the BatchNorm policy, and compiled graphs if the set changed."""
+        """Train the tensors of `mask`: their flags, the BatchNorm policy, and this fit's compiled graphs if the set
+        changed (`freezing.CompiledCodes`: only the codes the fit's steps compiled, never dynamo as a whole)."""
         self.set_trainable(mask)
         self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
         if self.warming:
-            invalidate_compiled_graphs(pl_module)
+            self.compiled_codes.reset()
 
     def enter(self, record: SelectionRecord, select_seconds: float, apply_seconds: float) -> None:
         """Keep the selection now in force, and charge its own seconds to the plan (not to the next step)."""
@@ -367,58 +370,8 @@ class FitSession:
         self.history.append(record)
         self.step_timer.start()
 
-    # ------------------------------------------------------------------ the end of the fit, and checkpoints
+    # ------------------------------------------------------------------ the end of the fit
 
     def give_back(self, pl_module: nn.Module) -> None:
         """The BatchNorm modes the fit changed, as the user had them (`freezing.UserState` gives the flags back)."""
         self.bn_frozen = apply_bn_policy(pl_module, "update", self.bn_frozen)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "mask": None if self.mask is None else list(self.mask),
-            "probe_end": self.probe_end,
-            "pending_selection": self.pending_selection,
-            "importance": self.evaluator.state_dict(),
-            "latest": list(self.latest),
-            "history": [r.to_dict() for r in self.history],
-            "totals": dict(self.totals),
-            "bn_frozen": list(self.bn_frozen),
-            "plan": self.plan.state_dict(),
-            "selected_steps": list(self.selected_steps),
-            "probe_optimizer": list(self.probe_optimizer),
-        }
-
-    def restore(self, state: dict[str, Any] | None) -> None:
-        """Put a checkpoint's selection, window, importance and account back before the first resumed step; only the
-        account when the checkpoint's fit profiled another set of tensors (said: its per-tensor state cannot apply)."""
-        if not state:
-            return
-        if len(saved := state.get("latest") or self.params) != len(self.params):
-            rank_zero_warn(
-                f"ElasticTensorSelection: the checkpoint's fit selected among {len(saved)} tensors, this fit among "
-                f"{len(self.params)} (`train_never`, `train_always` or the tensors frozen before the fit changed): its "
-                "importance, selection and history are not resumed; its wall-clock account is. Every tensor trains "
-                "until the next selection, which uses the importance measured from here."
-            )
-            state = {k: v for k, v in state.items() if k in ("totals", "plan")}
-        mask = state.get("mask")
-        if mask is not None and len(mask) == len(self.params):
-            self.mask = Mask.of(mask)
-            apply_mask(self.params, self.mask)
-        self.probe_end = state.get("probe_end")
-        self.pending_selection = bool(state.get("pending_selection", False))
-        if state.get("importance") is not None:
-            self.evaluator.load_state_dict(state["importance"])
-        if self.probe_end is not None or self.pending_selection:
-            apply_mask(self.params, [not f for f in self.forbidden])  # as the window left them
-        latest = state.get("latest")
-        if isinstance(latest, list) and len(latest) == len(self.params):
-            self.latest = [float(v) for v in latest]
-        self.history = [SelectionRecord.from_dict(r) for r in state.get("history", [])]
-        self.totals.update(state.get("totals", {}))
-        self.bn_frozen = list(state.get("bn_frozen", []))
-        self.selected_steps = [float(s) for s in state.get("selected_steps", [])]
-        self.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
-        if state.get("plan"):
-            restored = WallClockPlan.from_state(state["plan"])
-            self.plan = restored if restored.speedup == self.plan.speedup else self.plan

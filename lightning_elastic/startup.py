@@ -38,10 +38,10 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         )
     if torch._dynamo.compiled_autograd.compiled_autograd_enabled:
         # Enabled around the fit (`compiled_autograd._enable`): it would compile the profiler's backward passes, whose
-        # per-node times are then a capture's, and dynamo's reset at each change of the trainable set turns it off.
+        # per-node times are then a capture's.
         raise ElasticConfigError(
-            "`ElasticTensorSelection` times autograd's nodes one by one and resets torch.compile's caches when the "
-            "trainable set changes, so it cannot run with compiled autograd (`torch._dynamo.compiled_autograd`): "
+            "`ElasticTensorSelection` times autograd's nodes one by one, so it cannot run with compiled autograd "
+            "(`torch._dynamo.compiled_autograd`): "
             "fit without it (a compiled module is supported). Found: compiled autograd enabled"
         )
     prepare_strategy(trainer.strategy)

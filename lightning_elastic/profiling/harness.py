@@ -28,13 +28,14 @@ from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
 from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.profiling.graph import StepSignature
+from lightning_elastic.profiling.passes import Progress
 from lightning_elastic.profiling.profile import (
     TimingMethod,
     TimingProfile,
     load_given_profile,
     mismatch,
 )
-from lightning_elastic.profiling.runner import Progress, fingerprint, profile
+from lightning_elastic.profiling.runner import fingerprint, profile
 from lightning_elastic.timing import StepTimer
 
 __all__ = ["FirstStep", "measure_profile", "reusable_profile", "stale_reason"]

@@ -136,8 +136,7 @@ def test_the_compiled_autograd_flag_leaves_a_compiled_fit_as_it_is(form: str) ->
 
 def test_compiled_autograd_is_refused_before_the_fit_starts() -> None:
     """Enabled for the fit (`compiled_autograd._enable`), compiled autograd would compile the profiler's backward
-    passes (their per-node times are then a capture's), and the callback's reset of dynamo at the first change of
-    the trainable set would turn it off for good: refused as the fit is set up, naming the setting."""
+    passes (their per-node times are then a capture's): refused as the fit is set up, naming the setting."""
     from torch._dynamo import compiled_autograd
 
     model, module = compiled(FORMS[0])
@@ -148,3 +147,52 @@ def test_compiled_autograd_is_refused_before_the_fit_starts() -> None:
         tiny_trainer(callbacks=[callback, steps], max_steps=4).fit(model, tiny_data())  # type: ignore[arg-type]
     assert steps.steps == []
     assert all(p.requires_grad for p in module.parameters())
+
+
+def scale(x: Tensor) -> Tensor:
+    """The user's own compiled function, outside the fit's step (a metric, a post-processing step)."""
+    return x * 2 + 1
+
+
+@pytest.mark.parametrize("form", ("eager", *FORMS))
+def test_a_fit_leaves_the_users_other_compiled_function_compiled(form: str) -> None:
+    """The selections reset what the fit's step compiled, not the process's dynamo: a function compiled before the
+    fit runs after it without compiling again. Before: a compiled fit called `torch._dynamo.reset()` at each change
+    of the trainable set, and the function compiled twice."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    user_function = torch.compile(scale, backend=counter)
+    user_function(torch.ones(3))
+    model, module = (Quiet(), None) if form == "eager" else compiled(form)
+    callback = ElasticTensorSelection(
+        speedup=1.6,
+        interval=4,
+        interval_unit="step",
+        probe_steps=2,
+        profile=synthetic_profile(module or model),
+        calibrate=False,
+    )
+    graphs = Graphs()
+    tiny_trainer(callbacks=[callback, graphs], max_steps=10).fit(model, tiny_data())  # type: ignore[arg-type]
+    user_function(torch.ones(3))
+    assert counter.frame_count == 1
+    assert callback.summary()["compiled_graphs"] == (0 if form == "eager" else 4)  # the fit's own: reset each change
+
+
+def test_a_compiled_fit_leaves_a_second_compiled_model_compiled() -> None:
+    """A second model compiled by the user (an EMA copy, a teacher) keeps its graph through the fit of a module given
+    to `fit` compiled (Lightning compiles its `training_step`: a code of its own). A compiled submodule's graphs live
+    in torch's one frame that every compiled module shares: see docs/compatibility.md."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    teacher = torch.compile(nn.Linear(3, 2), backend=counter)
+    teacher(torch.ones(1, 3))
+    model, module = compiled(FORMS[0])
+    callback = ElasticTensorSelection(
+        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=synthetic_profile(module), calibrate=False
+    )
+    tiny_trainer(callbacks=[callback], max_steps=10).fit(model, tiny_data())  # type: ignore[arg-type]
+    teacher(torch.ones(1, 3))
+    assert counter.frame_count == 1 and callback.summary()["compiled_graphs"] == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -13,6 +14,8 @@ from torch import Tensor, nn
 
 from lightning_elastic import ElasticTensorSelection, TimingProfile
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling import runner
+from lightning_elastic.timing import DeviceClock
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 
@@ -23,6 +26,17 @@ def profiling(**kwargs: Any) -> ElasticTensorSelection:
     )
     settings.update(kwargs)
     return ElasticTensorSelection(**settings)
+
+
+@pytest.fixture
+def ticking_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler's clock advances 1 ms a reading: its timings follow the step's ops, not this machine's load.
+
+    These tests are about what profiling runs on, not about timings; with real ones, a busy machine can time a
+    millisecond forward pass longer than the full step, and then refuse even a speedup of 1.05 as out of reach.
+    """
+    ticks = itertools.count()
+    monkeypatch.setattr(runner, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * 1e-3))
 
 
 class DtypeSeen(TinyNet):
@@ -38,11 +52,12 @@ class DtypeSeen(TinyNet):
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64)])
+@pytest.mark.usefixtures("ticking_profiler")
 def test_true_precision_profiles_the_converted_batch(precision: str, dtype: torch.dtype) -> None:
     """Profiling goes through the precision plugin's input conversion, as Lightning's own training step does."""
     torch.manual_seed(0)
     module = DtypeSeen()
-    callback = profiling(speedup=1.05)  # reachable whatever this machine's timings: the point is the fit's start
+    callback = profiling(speedup=1.05)  # reachable with the ticking clock: the point is the fit's start
     trainer = tiny_trainer(callbacks=[callback], precision=precision, max_steps=3)
     trainer.fit(module, tiny_data())
     assert trainer.global_step == 3
@@ -93,6 +108,7 @@ class Activated(TinyNet):
         return h
 
 
+@pytest.mark.usefixtures("ticking_profiler")
 def test_the_previous_fits_profile_is_kept_for_the_same_step_and_measured_again_for_a_changed_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -224,3 +224,32 @@ def test_the_callbacks_own_seconds_as_the_fit_begins_are_charged(profiled: str, 
     summary = callback.summary()
     assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
     assert summary["profile_seconds"] == pytest.approx(100.0, rel=1e-9)
+
+
+class ValidatingDevice(VirtualDevice):
+    """The virtual device, on which every validation batch takes 1000 s."""
+
+    validation_seconds = 0.0
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.now += 1e3
+        self.validation_seconds += 1e3
+
+
+class Validated(TinyNet):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        return None
+
+
+def test_validation_between_steps_is_never_charged_to_a_step() -> None:
+    """Validation costs the same with and without the callback: the fit spends what its steps took, and no step
+    measured validation's seconds. Before: every step after a validation run measured its 1000 s too (the timer was
+    restarted only when `trainer.training`, which Lightning sets back after `on_validation_end`)."""
+    device = ValidatingDevice(error=1.0)
+    callback = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=8, probe_steps=2)
+    trainer = tiny_trainer(callbacks=[device, callback], max_steps=24, val_check_interval=3, limit_val_batches=1)
+    trainer.fit(Validated(), tiny_data(), tiny_data())
+    summary = callback.summary()
+    assert device.validation_seconds == 6e3 and summary["steps"] == 24  # validation after 3 and 6 of each 8 batches
+    assert math.isclose(summary["spent_seconds"], device.now - device.validation_seconds, rel_tol=1e-9)
+    assert all(max(r.measured_seconds) < 1e3 for r in callback.history if r.measured_seconds)

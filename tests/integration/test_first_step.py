@@ -386,3 +386,42 @@ def test_a_first_step_skipped_by_on_train_batch_start_leaves_no_recording_behind
     assert profiled_on_its_own_batch == [True]
     assert callback.timing_profile is not None and callback.history
     assert recording(module) == (0, False)
+
+
+class SlowValidation(Counted):
+    """Its own clock: each training step (Lightning's or the profiler's) takes 1 s, each validation batch 100 s, and
+    its first training step returns None (no backward pass, no update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = [0.0]
+
+    def clock(self) -> float:
+        return self.now[0]
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        self.now[0] += 1.0
+        loss = super().training_step(batch, batch_idx)
+        return None if self.calls == 1 else loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.now[0] += 100.0
+
+
+@pytest.mark.parametrize(
+    "when",
+    [
+        pytest.param(dict(val_check_interval=1), id="validation after the skipped step"),
+        pytest.param(dict(limit_train_batches=1, max_epochs=5), id="validation at the end of its epoch"),
+    ],
+)
+def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(when: dict[str, Any]) -> None:
+    """The first step's seconds are those of its own training step and of the skipped one before it (2 s of the
+    module's clock), not the 100 s of a validation run between them, as no other step's are. Before: 102 s."""
+    module = SlowValidation()
+    callback = elastic(False, clock=module.clock, interval=4, interval_unit="step")
+    trainer = tiny_trainer(callbacks=[callback], max_steps=4, limit_val_batches=1, **when)
+    trainer.fit(module, tiny_data(), tiny_data())
+    fit = callback._fit
+    assert fit is not None and trainer.global_step == 4 and module.now[0] > 400  # validation ran (5 times)
+    assert fit.totals["warmup_seconds"] == 2.0

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import apply_bn_policy, apply_mask, invalidate_compiled_graphs, match_patterns, pins
+from lightning_elastic.freezing import CompiledCodes, apply_bn_policy, apply_mask, match_patterns, pins
 from lightning_elastic.records import Mask
 
 
@@ -72,11 +72,26 @@ def test_pins_name_what_always_and_never_trains_and_refuse_contradictions() -> N
         pins(names, params, ["2.*"], [])
 
 
-def test_compiled_graphs_are_dropped_only_for_a_compiled_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    resets: list[bool] = []
-    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
-    model = nn.Sequential(nn.Linear(2, 2))
-    invalidate_compiled_graphs(model)
-    assert resets == []
-    invalidate_compiled_graphs(nn.Sequential(torch.compile(model)))  # an OptimizedModule inside
-    assert resets == [True]
+def test_compiled_codes_reset_only_the_code_compiled_since_a_change() -> None:
+    """What compiled between `watch` and `collect` is the fit's: reset, it compiles again; another function's cache,
+    compiled before, is left as it was (before: `torch._dynamo.reset()` dropped both)."""
+    from torch._dynamo.testing import CompileCounter
+
+    def ours(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def theirs(x: torch.Tensor) -> torch.Tensor:
+        return x - 3
+
+    ours_count, theirs_count = CompileCounter(), CompileCounter()
+    ours_compiled = torch.compile(ours, backend=ours_count)
+    theirs_compiled = torch.compile(theirs, backend=theirs_count)
+    x = torch.ones(3)
+    theirs_compiled(x)
+    codes = CompiledCodes()
+    ours_compiled(x)
+    codes.collect()
+    assert codes.codes == {ours.__code__}
+    codes.reset()
+    ours_compiled(x), theirs_compiled(x)
+    assert (ours_count.frame_count, theirs_count.frame_count) == (2, 1)

@@ -1,0 +1,258 @@
+"""The passes of one profile (`Runner`): plain timings, instrumented passes, and the two methods that combine them,
+by hooks (``"measured"``) or op counts (``"flops"``). `runner.profile` runs them on a model it leaves as found."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_elastic.profiling.attribution import Structure
+from lightning_elastic.profiling.calibration import SEGMENTS, calibrate, calibration_knots, suffix_times
+from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
+from lightning_elastic.profiling.graph import (
+    ACCUMULATE_GRAD,
+    InputLeaves,
+    Node,
+    OpGraph,
+    OpRecorder,
+    Pass,
+    StepSignature,
+    walk,
+)
+from lightning_elastic.profiling.profile import TimingMethod, cache_key
+from lightning_elastic.timing import DeviceClock
+
+__all__ = ["PHASES", "Progress", "Result", "Runner"]
+
+Progress = Callable[[int, int, str], None]  # phase k of n starts, doing `what`
+PHASES = 3
+
+
+def _release(leaves: list[Tensor]) -> None:
+    """Free the memory of a pass's input leaves (module inputs, and their gradients) once its backward has run.
+
+    A full pass's record keeps their autograd nodes (`Pass.leaf_nodes`: attribution needs them as graph nodes, not
+    their values), and each node keeps its leaf: without this, the record would keep those inputs (activations),
+    and their gradients, through the passes that follow.
+    """
+    for leaf in leaves:
+        leaf.grad = None
+        leaf.data = leaf.data.new_empty(0)
+
+
+@dataclass
+class Result:
+    """What the passes of one profile found, before it becomes a `TimingProfile` (indices into the candidates)."""
+
+    order: list[int]
+    t_dw: list[float]
+    t_dy: list[float]
+    t_tail: float
+    t_fw: float
+    t_full: float
+
+
+class Runner:
+    """Runs the passes of one profile."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        compute_loss: Callable[[], Tensor],
+        candidates: list[tuple[str, nn.Parameter]],
+        clock: DeviceClock,
+    ) -> None:
+        self.model = model
+        self.compute_loss = compute_loss
+        self.candidates = candidates
+        self.params = [p for _, p in candidates]
+        self.all_params = list(model.parameters())
+        self.device = self.params[0].device
+        self.clock = clock
+        self.leaves = InputLeaves(model)
+        self.progress: Progress = lambda k, n, what: None
+
+    # -- passes ------------------------------------------------------------------------------------
+
+    def _set_mask(self, mask: Sequence[bool]) -> None:
+        """Select the candidates to train; reset every gradient to None as training does.
+
+        Also reseeds the RNGs (restored when `profile` returns), so that every pass draws the same
+        dropout masks and takes the same random branches (stochastic depth) and records the same graph.
+        """
+        for p, flag in zip(self.params, mask, strict=True):
+            p.requires_grad_(flag)
+        torch.manual_seed(0)
+        random.seed(0)
+        for p in self.all_params:
+            p.grad = None
+
+    def _loss(self) -> Tensor:
+        loss = self.compute_loss()
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"`compute_loss` must return a scalar tensor. Found: {shape}")
+        return loss
+
+    def plain(self, mask: Sequence[bool]) -> tuple[float, float]:
+        """Seconds of the forward and of forward+backward with ``mask`` selected, no instrumentation."""
+        self._set_mask(mask)
+        start = self.clock.now()
+        loss = self._loss()
+        mid = self.clock.now()
+        if loss.requires_grad:
+            loss.backward()
+        end = self.clock.now()
+        return mid - start, end - start
+
+    def signature(self) -> dict[str, Any]:
+        """What the cache key must cover beyond the parameters (`StepSignature`), from one forward+backward."""
+        recorder = StepSignature(self.model)
+        try:
+            self._set_mask([True] * len(self.params))
+            loss = self._loss()
+            recorder.loss(loss.grad_fn)
+            if loss.requires_grad:
+                loss.backward()
+        finally:
+            recorder.close()
+        return recorder.signature()
+
+    def fingerprint(self, method: TimingMethod) -> str:
+        """The cache key of this model's profile by ``method`` on this device (see `signature`)."""
+        return cache_key(self.signature(), self.device, self.candidates, method)
+
+    def instrumented(self, kind: Literal["full", "dx", "none"], keep: Callable[..., Any] | None = None) -> Pass:
+        """One pass with forward ops timed and, unless ``kind == "none"``, every backward node timed.
+
+        With ``keep`` (what to keep of each forward op), the record also keeps the pass's graph for attribution.
+        """
+        self._set_mask([kind == "full"] * len(self.params))
+        recorder = OpRecorder(self.clock, keep or (lambda func, args, kwargs, out: None))
+        record = Pass()
+        if kind == "none":
+            with recorder:
+                self._loss()
+        else:
+            with self.leaves.active(recorder) as (leaves, sources):
+                with recorder:
+                    loss = self._loss()
+                if keep is not None:  # the graph that attribution walks
+                    record.sources = sources
+                if loss.requires_grad:
+                    self._timed_backward(loss, record, keep_graph=keep is not None)
+                elif kind == "full":
+                    raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
+            _release(leaves)
+        record.op_names = recorder.names
+        record.op_seconds = recorder.seconds()
+        record.op_kept = recorder.kept
+        return record
+
+    def _timed_backward(self, loss: Tensor, record: Pass, keep_graph: bool) -> None:
+        """Time every node of the backward pass of ``loss``; keep the nodes themselves only with ``keep_graph``.
+
+        Passes kept with their nodes keep small objects alive all over the memory their activations took, which
+        the allocator then cannot reuse for the larger blocks of the next passes: only the graph attribution walks
+        is kept (see docs/memory.md).
+        """
+        nodes = walk(loss.grad_fn)
+        starts: dict[Node, Any] = {}
+        ends: dict[Node, Any] = {}
+        handles = []
+        for node in nodes:
+            handles.append(node.register_prehook(lambda grads, node=node: starts.__setitem__(node, self.clock.stamp())))
+            handles.append(node.register_hook(lambda gi, go, node=node: ends.__setitem__(node, self.clock.stamp())))
+        try:
+            loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.clock.sync()
+
+        def seconds(node: Node) -> float:
+            return self.clock.seconds(starts[node], ends[node]) if node in ends else 0.0
+
+        ops = sorted((n for n in nodes if n.name() != ACCUMULATE_GRAD), key=lambda n: n._sequence_nr())
+        record.node_names = [n.name() for n in ops]
+        record.node_seconds = [seconds(n) for n in ops]
+        leaves = [n for n in nodes if n.name() == ACCUMULATE_GRAD]
+        record.leaf_seconds = [seconds(n) for n in leaves]
+        if keep_graph:
+            record.nodes, record.leaf_nodes = ops, leaves
+
+    # -- the two methods ------------------------------------------------------------------------------
+
+    def run(self, method: TimingMethod, warmup: int, repeats: int) -> Result:
+        n = len(self.params)
+        passes = "one pass counting each op's work" if method == "flops" else f"{3 * repeats} instrumented passes"
+        self.progress(2, PHASES, f"{warmup} plain warm-up step(s), then {passes}" if warmup else passes)
+        for _ in range(warmup):
+            self.plain([True] * n)
+        if method == "flops":
+            return self._run_flops(repeats)
+        return self._run_measured(repeats)
+
+    def _run_measured(self, repeats: int) -> Result:
+        dx_passes = [self.instrumented("dx") for _ in range(repeats)]
+        ids = {id(p) for p in self.params}
+
+        def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> OpGraph:
+            inputs = tensors_in(args) + tensors_in(kwargs)
+            return OpGraph(
+                outputs=[t.grad_fn for t in tensors_in(out) if t.grad_fn is not None],
+                inputs=[t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None],
+                params=[id(t) for t in inputs if id(t) in ids],
+            )
+
+        full_passes = [self.instrumented("full", keep=keep) for _ in range(repeats)]
+        none_passes = [self.instrumented("none") for _ in range(repeats)]
+        structure = Structure(full_passes[0], self.params)
+        t_dw, t_dy, t_tail = structure.costs(full_passes, dx_passes, none_passes).model()
+        order = structure.order
+        del structure, full_passes  # their graph's nodes, small but all over memory, before the plain timings
+        knots = calibration_knots(t_dw, t_dy, SEGMENTS)
+        self.progress(3, PHASES, f"plain timings of {len(knots)} selections, {repeats} or more rounds (calibration)")
+        t_fw, times = suffix_times(self.plain, len(self.params), order, knots, repeats)
+        t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
+        return Result(order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
+
+    def _run_flops(self, repeats: int) -> Result:
+        n = len(self.params)
+        mem_weight = default_mem_weight(self.params[0].device)
+        ids = {id(p) for p in self.params}
+
+        def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+            inputs = tensors_in(args) + tensors_in(kwargs)
+            params = [t for t in inputs if id(t) in ids]
+            costs = op_costs(getattr(func, "__name__", ""), args, kwargs, out, params, mem_weight)
+            data_fns = [t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None]
+            return costs, data_fns
+
+        self._set_mask([True] * n)
+        recorder = OpRecorder(self.clock, keep)
+        with recorder:
+            loss = self._loss()
+        if not loss.requires_grad:
+            raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
+        record = Pass(op_names=recorder.names, op_kept=recorder.kept)
+        record.nodes = sorted(
+            (n for n in walk(loss.grad_fn) if n.name() != ACCUMULATE_GRAD), key=lambda n: n._sequence_nr()
+        )
+        record.leaf_nodes = [n for n in walk(loss.grad_fn) if n.name() == ACCUMULATE_GRAD]
+        structure = Structure(record, self.params)
+        raw, order = structure.flop_costs(record), structure.order
+        # The recorded graph ran no backward pass: its nodes still hold the forward's saved activations.
+        del loss, record, structure, recorder
+        # A full step bracketed by plain forwards, re-timed while the machine is disturbed (as calibration does).
+        self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
+        t_fw, (t_full,) = suffix_times(self.plain, len(self.params), order, [0], repeats)
+        # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
+        scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
+        raw.scale(scale)
+        return Result(order, *raw.model(), t_fw=t_fw, t_full=t_full)

@@ -1,0 +1,73 @@
+"""What a checkpoint keeps of a fit (`fit_state`) and how a resumed fit takes it back (`restore`).
+
+The checkpoint holds plain data only: the selection in force, the probe window open or pending, the importance
+measured so far, the selection history, the wall-clock plan's account and the totals of the summary. Restoring is
+tolerant of older checkpoints (a missing key reads as empty) and of a fit that selects among other tensors (only
+the account resumes, with a warning).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_elastic.freezing import apply_mask
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.records import Mask, SelectionRecord
+from lightning_elastic.session import FitSession
+
+__all__ = ["fit_state", "restore"]
+
+
+def fit_state(fit: FitSession) -> dict[str, Any]:
+    """What a checkpoint keeps of `fit`: plain data (lists, dicts, numbers), read back by `restore`."""
+    return {
+        "mask": None if fit.mask is None else list(fit.mask),
+        "probe_end": fit.probe_end,
+        "pending_selection": fit.pending_selection,
+        "importance": fit.evaluator.state_dict(),
+        "latest": list(fit.latest),
+        "history": [r.to_dict() for r in fit.history],
+        "totals": dict(fit.totals),
+        "bn_frozen": list(fit.bn_frozen),
+        "plan": fit.plan.state_dict(),
+        "selected_steps": list(fit.selected_steps),
+        "probe_optimizer": list(fit.probe_optimizer),
+    }
+
+
+def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
+    """Put a checkpoint's selection, window, importance and account back before the first resumed step; only the
+    account when the checkpoint's fit profiled another set of tensors (said: its per-tensor state cannot apply)."""
+    if not state:
+        return
+    if len(saved := state.get("latest") or fit.params) != len(fit.params):
+        rank_zero_warn(
+            f"ElasticTensorSelection: the checkpoint's fit selected among {len(saved)} tensors, this fit among "
+            f"{len(fit.params)} (`train_never`, `train_always` or the tensors frozen before the fit changed): its "
+            "importance, selection and history are not resumed; its wall-clock account is. Every tensor trains "
+            "until the next selection, which uses the importance measured from here."
+        )
+        state = {k: v for k, v in state.items() if k in ("totals", "plan")}
+    mask = state.get("mask")
+    if mask is not None and len(mask) == len(fit.params):
+        fit.mask = Mask.of(mask)
+        apply_mask(fit.params, fit.mask)
+    fit.probe_end = state.get("probe_end")
+    fit.pending_selection = bool(state.get("pending_selection", False))
+    if state.get("importance") is not None:
+        fit.evaluator.load_state_dict(state["importance"])
+    if fit.probe_end is not None or fit.pending_selection:
+        apply_mask(fit.params, [not f for f in fit.forbidden])  # as the window left them
+    latest = state.get("latest")
+    if isinstance(latest, list) and len(latest) == len(fit.params):
+        fit.latest = [float(v) for v in latest]
+    fit.history = [SelectionRecord.from_dict(r) for r in state.get("history", [])]
+    fit.totals.update(state.get("totals", {}))
+    fit.bn_frozen = list(state.get("bn_frozen", []))
+    fit.selected_steps = [float(s) for s in state.get("selected_steps", [])]
+    fit.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
+    if state.get("plan"):
+        restored = WallClockPlan.from_state(state["plan"])
+        fit.plan = restored if restored.speedup == fit.plan.speedup else fit.plan
