@@ -415,9 +415,13 @@ class SlowValidation(Counted):
         pytest.param(dict(limit_train_batches=1, max_epochs=5), id="validation at the end of its epoch"),
     ],
 )
-def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(when: dict[str, Any]) -> None:
+def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(
+    when: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first step's seconds are those of its own training step and of the skipped one before it (2 s of the
-    module's clock), not the 100 s of a validation run between them, as no other step's are. Before: 102 s."""
+    module's clock), not the 100 s of a validation run between them, as no other step's are. Before: 102 s. (Only
+    the first step warms up here, so that the warm-up seconds are exactly its own.)"""
+    monkeypatch.setattr(session, "WARMUP_STEPS", 1)
     module = SlowValidation()
     callback = elastic(False, clock=module.clock, interval=4, interval_unit="step")
     trainer = tiny_trainer(callbacks=[callback], max_steps=4, limit_val_batches=1, **when)
