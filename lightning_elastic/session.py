@@ -242,12 +242,13 @@ class FitSession:
         if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
             self.totals["probe_seconds"] += seconds - overhead
             self.totals["probe_steps"] += 1
+        if self.warming or self.steps_timed == 1:  # what the fit's first step, or a new set's, compiled is the fit's
+            self.compiled_codes.collect()
         if self.warming or self.steps_timed <= WARMUP_STEPS:
             # One of the process's first steps, or the first step with a new trainable set of a compiled module
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time
             # that `T` and the correction read.
             self.warming = False
-            self.compiled_codes.collect()
             self.totals["warmup_seconds"] += seconds
             self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)
         elif self.probe_end is not None:

@@ -133,7 +133,7 @@ def fit_summary(
         selections=len(history),
         replans=sum(r.replanned for r in history),
         steps=plan.steps_done if plan is not None else 0,
-        probe_steps=int(totals.get("probe_steps", plan.full_samples if plan is not None else 0)),
+        probe_steps=int(totals.get("probe_steps", 0)),
         selected_fraction=(last.mask.count(True) / len(last.mask)) if last else math.nan,
         selected_elements_fraction=last.mask.elements(numel) / max(1, sum(numel)) if last else math.nan,
         full_step_seconds=full,

@@ -37,7 +37,7 @@ def summarise(history: list[SelectionRecord], spent: float, totals: dict[str, fl
 
 def test_summary_compares_the_fit_with_full_fine_tuning() -> None:
     history = [record([False, True, True], (0.5, 0.5)), record([False, False, True], (0.4, 0.6))]
-    totals = {"profile_seconds": 0.0, "probe_seconds": 2.0, "select_seconds": 0.25, "apply_seconds": 0.05}
+    totals = {"profile_seconds": 0.0, "probe_seconds": 2.0, "probe_steps": 2, "select_seconds": 0.25, "apply_seconds": 0.05}
     s = summarise(history, spent=5.0, totals=totals)
     assert (s.fit_speedup, s.full_fit_seconds, s.planned_seconds, s.measured_speedup) == (2.0, 10.0, 5.0, 2.0)
     assert s.selected_fraction == pytest.approx(1 / 3) and s.selected_elements_fraction == 0.6
