@@ -88,6 +88,20 @@ class FitSummary:
         verdict = "met" if not self.shortfall else "NOT met"
         return f"{self.fit_speedup:.2f}x (asked {self.target_speedup:g}x, {verdict})"
 
+    def per_step(self) -> str:
+        """A selected step against a full step, both measured; said so when no full step was (all warmed up)."""
+        if math.isnan(self.selected_step_seconds):
+            return f"no selected step measured; a full step {self.full_step_seconds * 1e3:.1f} ms"
+        if math.isnan(self.measured_speedup):
+            return (
+                f"a selected step {self.selected_step_seconds * 1e3:.1f} ms; no steady full step measured (the probe "
+                f"steps were the process's warm-up steps), estimated at {self.full_step_seconds * 1e3:.1f} ms"
+            )
+        return (
+            f"{self.measured_speedup:.2f}x: a selected step {self.selected_step_seconds * 1e3:.1f} ms against a full "
+            f"step {self.full_step_seconds * 1e3:.1f} ms"
+        )
+
     def table(self) -> str:
         """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""
         overhead = self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
@@ -98,8 +112,7 @@ class FitSummary:
             f"{self.spent_seconds:.1f} s spent against {self.full_fit_seconds:.1f} s estimated for training every "
             f"tensor ({self.steps} steps x {self.full_step_seconds * 1e3:.1f} ms); "
             f"{self.planned_seconds:.1f} s planned",
-            f"  per-step speedup   {self.measured_speedup:.2f}x: a selected step "
-            f"{self.selected_step_seconds * 1e3:.1f} ms against a full step {self.full_step_seconds * 1e3:.1f} ms",
+            f"  per-step speedup   {self.per_step()}",
             f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit): profile {self.profile_seconds:.1f} s, "
             f"probes {self.probe_seconds:.1f} s ({self.probe_steps} full steps), selections "
             f"{self.select_seconds + self.apply_seconds:.2f} s ({self.selections}, {self.replans} re-planned)",

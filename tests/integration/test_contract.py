@@ -32,13 +32,17 @@ PROFILE = dataclasses.replace(
 
 
 class VirtualDevice(Callback):
-    """A clock that each training step advances by `error` x the time model's cost of the trainable set."""
+    """A clock that each training step advances by `error` x the time model's cost of the trainable set, during the
+    forward and backward pass, and by `loop` seconds before the batch starts (as loading it would)."""
 
-    def __init__(self, error: float, compile_seconds: float = 0.0, slow: tuple[int, float] = (0, 1.0)) -> None:
+    def __init__(
+        self, error: float, compile_seconds: float = 0.0, slow: tuple[int, float] = (0, 1.0), loop: float = 0.0
+    ) -> None:
         self.now = 0.0
         self.error = error
-        self.slow = slow  # (steps, factor): the first `steps` steps cost `factor` times more (a slow start)
+        self.slow = slow  # (steps, factor): the first `steps` steps' passes cost `factor` times more (a slow start)
         self.compile_seconds = compile_seconds  # paid by the first step of every new trainable set, as compiling
+        self.loop = loop
         self.model = StepTimeModel.from_profile(PROFILE)
         self.full_seconds = 0.0
         self.compiles = 0
@@ -47,7 +51,11 @@ class VirtualDevice(Callback):
     def clock(self) -> float:
         return self.now
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.now += self.loop
+        self.full_seconds += self.loop
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         named = dict(pl_module.named_parameters())
         trainable = tuple(named[n].requires_grad for n in PROFILE.names)  # what this step's backward ran for
         factor = self.error * (self.slow[1] if trainer.global_step < self.slow[0] else 1.0)
@@ -133,6 +141,26 @@ def test_the_first_steps_of_a_process_are_charged_but_never_taken_for_step_time(
     # every probe step is the callback's own time, the first window's warm-up steps (at `factor`) included
     assert summary["probe_steps"] >= 6 and summary["probe_steps"] % 3 == 0
     assert summary["probe_seconds"] == pytest.approx((summary["probe_steps"] + 3 * (factor - 1)) * PROFILE.t_full)
+
+
+@pytest.mark.parametrize("error", [0.7, 1.0, 1.3])
+def test_a_first_window_of_warm_up_steps_only_still_plans_the_whole_fit(error: float) -> None:
+    """A short fit's one probe window lies in the process's warm-up steps (slow passes, 1.6x here): no steady full
+    step is measured. `T` is then the profile's plain pass plus what the loop spent around the window's passes (the
+    batch, here), exactly; and the plan still steers every selection, so the fit ends on its own plan whatever the
+    time model's error. With the time model right it lands on the asked speedup of the whole full fit."""
+    loop = 0.25 * PROFILE.t_full
+    device = VirtualDevice(error, slow=(session.WARMUP_STEPS, 1.6), loop=loop)
+    callback = ElasticTensorSelection(speedup=1.5, interval=8, interval_unit="step", profile=PROFILE, clock=device.clock)
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
+    assert callback._fit is not None and callback._fit.schedule.probe_steps_between(0, 96) == session.WARMUP_STEPS
+    assert device.model.full == pytest.approx(PROFILE.t_full)
+    assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full + loop] * len(callback.history))
+    summary = callback.summary()
+    assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
+    if error == 1.0:
+        assert device.full_seconds / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03)
 
 
 def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time(
