@@ -268,14 +268,11 @@ class ElasticTensorSelection(Callback):
             fit.open_probe(trainer, end)
         for name, value in reporting.progress_metrics(fit.probe_end is not None, fit.mask).items():
             pl_module.log(name, value, prog_bar=True, logger=False, batch_size=1)  # the progress bar only
-        fit.pass_timer.start()
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._first is not None:
             self._first.after_backward()
-        if self._fit is not None:
-            self._fit.pass_timer.stop()
 
     @override
     def on_before_optimizer_step(

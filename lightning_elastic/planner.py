@@ -20,7 +20,6 @@ Pure arithmetic with no clock of its own: the callback feeds it measured seconds
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
@@ -319,22 +318,6 @@ class WallClockPlan:
         previous = self.full_step * self.full_samples
         self.full_samples += len(seconds)
         self.full_step = (previous + math.fsum(seconds)) / self.full_samples
-
-    def observe_loop(self, plain_step: float, seconds: Sequence[float]) -> None:
-        """Before any steady full step (a window of the process's warm-up steps only), estimate `T` as the profile's
-        plain forward and backward pass plus the median of what the window's steps spent around their passes (the
-        next batch, the optimizer update, the hooks): the loop's part warms up far less than the passes do, and the
-        profile's pass alone under-counts a loop's step (by 15-20% on MiniLM and Lite0).
-
-        Example:
-            >>> plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.5)
-            >>> plan.observe_loop(0.5, [0.12, 0.1, 0.3])
-            >>> plan.full_step
-            0.62
-        """
-        if self.full_samples or not seconds:
-            return
-        self.full_step = plain_step + max(0.0, statistics.median(seconds))
 
     def expected(self, predicted: float) -> float:
         """Seconds a step that the time model predicts at `predicted` measures, as the plan has learnt it."""

@@ -34,7 +34,6 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "plan": fit.plan.state_dict(),
         "selected_steps": list(fit.selected_steps),
         "probe_optimizer": list(fit.probe_optimizer),
-        "probe_loop": list(fit.probe_loop),
     }
 
 
@@ -69,7 +68,6 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
     fit.bn_frozen = list(state.get("bn_frozen", []))
     fit.selected_steps = [float(s) for s in state.get("selected_steps", [])]
     fit.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
-    fit.probe_loop = [float(s) for s in state.get("probe_loop", [])]
     if state.get("plan"):
         restored = WallClockPlan.from_state(state["plan"])
         fit.plan = restored if restored.speedup == fit.plan.speedup else fit.plan

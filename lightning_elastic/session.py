@@ -10,7 +10,6 @@ between the trained tensors' own), and gives the BatchNorm modes it changed back
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -72,10 +71,8 @@ class FitSession:
     forbidden: Mask
     evaluator: ImportanceEvaluator
     step_timer: StepTimer
-    pass_timer: StepTimer  # each micro-batch's forward and backward, from its batch start to its backward's end
     optimizer_timer: StepTimer
     overhead_timer: StepTimer
-    plain_step: float  # the profile's forward and full backward pass, without the loop around it
     bn_policy: BnPolicy
     plan: WallClockPlan
     allreduce: SelectiveAllReduce | None = None
@@ -88,7 +85,6 @@ class FitSession:
     bn_frozen: list[str] = field(default_factory=list)
     probe_full: list[float] = field(default_factory=list)
     probe_optimizer: list[float] = field(default_factory=list)
-    probe_loop: list[float] = field(default_factory=list)  # probe steps' seconds around their passes
     selected_steps: list[float] = field(default_factory=list)
     step_at_batch_start: int = -1
     warned_starved: bool = False
@@ -145,10 +141,8 @@ class FitSession:
             forbidden=forbidden,
             evaluator=ImportanceEvaluator(params),
             step_timer=StepTimer(device, clock),
-            pass_timer=StepTimer(device, clock),
             optimizer_timer=StepTimer(device, clock),
             overhead_timer=StepTimer(device, clock),
-            plain_step=prof.t_full,
             bn_policy=bn_policy,
             plan=plan,
             latest=[0.0] * len(params),
@@ -188,7 +182,7 @@ class FitSession:
         """Train every candidate tensor until optimizer step `end`: their importance is measured afresh."""
         self._fold_importance(trainer)
         self.probe_end = end
-        self.probe_full, self.probe_optimizer, self.probe_loop = [], [], []
+        self.probe_full, self.probe_optimizer = [], []
         self.set_trainable([not f for f in self.forbidden])
         self.bn_frozen = apply_bn_policy(trainer.lightning_module, self.bn_policy, self.bn_frozen)
 
@@ -203,11 +197,9 @@ class FitSession:
             self.compiled_codes.watch()
 
     def close_probe(self) -> None:
-        """The window's steady full steps measure `T` for the plan; before any, the profile's plain pass and the
-        loop around the window's passes estimate it (`WallClockPlan.observe_loop`)."""
+        """The window's steady full steps measure `T` for the plan (none when all are warm-up steps)."""
         self.probe_end = None
         self.plan.observe_full_steps(self.probe_full)
-        self.plan.observe_loop(self.plain_step, self.probe_loop)
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.
@@ -245,17 +237,11 @@ class FitSession:
         seconds = math.fsum(self.step_timer.pop())
         overhead = math.fsum(self.overhead_timer.pop())
         optimizer = math.fsum(self.optimizer_timer.pop())
-        passes = self.pass_timer.pop()
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1
         if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
             self.totals["probe_seconds"] += seconds - overhead
             self.totals["probe_steps"] += 1
-            if self.steps_timed > 1 and passes:
-                # What the loop spends around the forward and backward (data, optimizer update, hooks) warms up far
-                # less than the passes: measured from the process's second step on, for `T` before a steady step.
-                self.probe_loop.append(seconds - overhead - math.fsum(passes))
-                self.probe_optimizer.append(optimizer)
         if self.warming or self.steps_timed == 1:  # what the fit's first step, or a new set's, compiled is the fit's
             self.compiled_codes.collect()
         if self.warming or self.steps_timed <= WARMUP_STEPS:
@@ -267,6 +253,7 @@ class FitSession:
             self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)
         elif self.probe_end is not None:
             self.probe_full.append(seconds - overhead)  # a full step without the callback would not measure
+            self.probe_optimizer.append(optimizer)
         else:
             self.selected_steps.append(seconds)
 
@@ -304,9 +291,9 @@ class FitSession:
         self.evaluator.reset()
 
     def probe_figures(self, trainer: L.Trainer) -> tuple[float, float]:
-        """The full step `T` (the plan's estimate) and its optimizer update (the median of the probe steps after the
-        process's first; 0 before any), averaged over ranks."""
-        optimizer = statistics.median(self.probe_optimizer) if self.probe_optimizer else 0.0
+        """The full step `T` (the plan's: measured in steady probe steps, else the profile's) and its optimizer update
+        (the steady probe steps' mean; 0 before any), averaged over ranks."""
+        optimizer = math.fsum(self.probe_optimizer) / len(self.probe_optimizer) if self.probe_optimizer else 0.0
         figures = torch.tensor([self.plan.full_step, optimizer], dtype=torch.float64, device=self.params[0].device)
         full, optimizer = trainer.strategy.reduce(figures, reduce_op="mean").cpu().tolist()
         return full, optimizer
@@ -325,7 +312,8 @@ class FitSession:
         return float(trainer.strategy.reduce(value, reduce_op="mean").item())
 
     def step_terms(self, trainer: L.Trainer, prof: TimingProfile, calibrate: bool) -> StepTerms:
-        """Measured figures and the plan's target under `calibrate`; else the profile's step over the speedup."""
+        """The plan's figures and target under `calibrate` (planned even before any steady full step is measured: a
+        window of warm-up steps only leaves the profile's `T`); else the profile's step over the speedup."""
         if calibrate:
             full, optimizer = self.probe_figures(trainer)
             target = self.target(trainer, trainer.global_step)
