@@ -35,12 +35,21 @@ CORRECTION_BOUNDS = (0.25, 4.0)
 # A probe step that took more than this many times the window's median was paused (by the OS, another process, a
 # garbage collection): with 3 or 4 steps a window, one such step would move `T` by a third. Not a sample of `T`.
 PAUSED = 2.0
+# The first optimizer steps a process runs are slower than the rest (first touch of memory, the allocator's and the
+# kernels' caches): charged to the fit, never samples of step time. Measured in fresh processes, every tensor trained:
+# Lite0 on ELPV, steps 1-3 took 0.76-0.89 s against 0.62-0.66 s after; MiniLM on e-mails, step 1 took 1.01 s against
+# 0.62 s plain-timed, and a first selected step at step 2 1.37 s against 0.26 s for the next three.
+WARMUP_STEPS = 4
 # Auto probe windows: their extra cost stays within this share of the planned fit (3%; 4% gave a 228-step fit at 2x
 # a second window, 7 samples of `T` instead of 3, for 3.6 s of probes instead of 1.8 s, 6.2% of a cached fit's
 # training time instead of 2.5%, and left a cached run's `T` 17% above the full run's step: docs/results.md) ...
 PROBE_SHARE = 0.03
-# ... in windows of this many steps (shorter only when the fit is too short for one).
+# ... in windows of this many steps (shorter only when the fit is too short for one) ...
 PROBE_WINDOW = 4
+# ... but the first window runs past the process's warm-up steps to measure 2 steady full steps, whenever that costs
+# at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came out 0.68-1.07 of
+# the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full steps more.
+FIRST_WINDOW, FIRST_WINDOW_SHARE = WARMUP_STEPS + 2, 0.10
 
 
 @dataclass(frozen=True)
@@ -51,32 +60,42 @@ class ProbePlan:
         steps: optimizer steps of one probe window.
         every: a window precedes the first selection and every `every`-th after it; the selections in between
             use the importance that the selected tensors' own updates measured.
+        first: optimizer steps of the first window.
     """
 
     steps: int
-    every: int = 1
+    every: int
+    first: int
 
 
-def auto_probe_plan(total_steps: int | None, selections: int | None, speedup: float) -> ProbePlan:
-    """Probe windows whose extra cost stays within `PROBE_SHARE` of the planned fit.
+def auto_probe_plan(
+    total_steps: int | None, selections: int | None, speedup: float, period: float = math.inf
+) -> ProbePlan:
+    """Probe windows whose extra cost stays within `PROBE_SHARE` of the planned fit, the first measuring `T`.
 
     A probe step costs a full step `T` where a selected step costs about `T / s`, so `P` probe steps in a fit of
     `N` steps add `P * (1 - 1 / s) * T` to a plan of `N * T / s`: a share of `P * (s - 1) / N`. Windows of
-    `PROBE_WINDOW` steps (fewer when even one would exceed the share), as many as the share allows, spread evenly
-    over the selections. A fit of unknown length probes before every selection.
+    `PROBE_WINDOW` steps (fewer when even one would exceed the share, or fill the `period` between two selections),
+    as many as the share allows, spread evenly over the selections. The first window is `FIRST_WINDOW` steps long
+    when that costs at most `FIRST_WINDOW_SHARE` and leaves the first selection half a period to train (its steps
+    come out of the share). A fit of unknown length probes before every selection.
 
     Example:
         >>> auto_probe_plan(total_steps=600, selections=10, speedup=2.0)
-        ProbePlan(steps=4, every=3)
-        >>> auto_probe_plan(total_steps=100, selections=5, speedup=2.0)
-        ProbePlan(steps=3, every=5)
+        ProbePlan(steps=4, every=3, first=6)
+        >>> auto_probe_plan(total_steps=90, selections=2, speedup=3.0)  # 6 steps would be 13% of the fit
+        ProbePlan(steps=1, every=2, first=1)
     """
+    longest = PROBE_WINDOW if math.isinf(period) else min(PROBE_WINDOW, int(period) - 1)
     if total_steps is None or selections is None:
-        return ProbePlan(steps=PROBE_WINDOW)
-    allowed = PROBE_SHARE * total_steps / max(speedup - 1.0, 1e-9)
-    steps = max(1, min(PROBE_WINDOW, math.floor(allowed)))
-    windows = max(1, math.floor(allowed / steps))
-    return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)))
+        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if period > 2 * FIRST_WINDOW else longest)
+    scale = total_steps / max(speedup - 1.0, 1e-9)  # probe steps per unit of share
+    allowed = PROBE_SHARE * scale
+    steps = max(1, min(longest, math.floor(allowed)))
+    affordable = FIRST_WINDOW_SHARE * scale >= FIRST_WINDOW and period > 2 * FIRST_WINDOW
+    first = FIRST_WINDOW if affordable else steps
+    windows = 1 + math.floor(max(0.0, allowed - max(first, steps)) / steps)
+    return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)), first=max(first, steps))
 
 
 @dataclass(frozen=True)
@@ -101,8 +120,10 @@ def plan_schedule(
     """The fit's schedule, with probe windows sized by `auto_probe_plan` or as asked; a refusal if they do not fit.
 
     Example:
-        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100)
-        Schedule(interval=1, unit='epoch', probe_steps=3, steps_per_epoch=(20,), probe_every=5, total_steps=100)
+        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100).first_window_end
+        6
+        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100).probe_steps
+        3
         >>> plan_schedule(2, "step", 2, 2.0, steps_per_epoch=(20,), total_steps=100).message[:43]
         '`probe_steps` must be fewer than the optimi'
     """
@@ -110,21 +131,20 @@ def plan_schedule(
     period = shape.period
     if probe_steps == "auto":
         selections = None if total_steps is None or math.isinf(period) else 1 + shape.selections_until(total_steps - 1)
-        probes = auto_probe_plan(total_steps, selections, speedup)
-        steps = min(probes.steps, int(period) - 1) if math.isfinite(period) else probes.steps
-        every = probes.every
+        probes = auto_probe_plan(total_steps, selections, speedup, period)
+        steps, every, first = probes.steps, probes.every, probes.first
     else:
-        steps, every = int(probe_steps), 1
+        steps, every, first = int(probe_steps), 1, int(probe_steps)
     if period <= steps or steps < 1:
         return ScheduleRefusal(
             f"`probe_steps` must be fewer than the optimizer steps between two selections ({period:g} = "
             f"`interval` {interval} x {'steps per epoch' if unit == 'epoch' else '1 step'}). Found: {probe_steps}"
         )
-    return replace(shape, probe_steps=steps, probe_every=every)
+    return replace(shape, probe_steps=steps, probe_every=every, first_probe_steps=first if first > steps else 0)
 
 
 def late_first_window(schedule: Schedule) -> str | None:
-    """The warning when the first probe window runs on past `probe_steps` (None when it does not).
+    """The warning when the first probe window runs on past its length (None when it does not).
 
     Example:
         >>> late_first_window(Schedule(interval=3, unit="step", probe_steps=2))[24:100]
@@ -132,7 +152,7 @@ def late_first_window(schedule: Schedule) -> str | None:
         >>> late_first_window(Schedule(interval=5, unit="step", probe_steps=2)) is None
         True
     """
-    steps, period = schedule.probe_steps, schedule.period
+    steps, period = schedule.first_steps, schedule.period
     if schedule.first_window_end == steps:
         return None
     return (

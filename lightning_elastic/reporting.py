@@ -59,14 +59,14 @@ def start_message(profile: TimingProfile, speedup: float, total_steps: int | Non
         >>> print(start_message(p, 2.0, 120, Schedule(1, "epoch", 3)).replace("; ", "\n"))
         ElasticTensorSelection: 1 tensors profiled on cpu (full forward+backward 7.0 ms, forward 4.0 ms)
         target speedup 2 for the fit's 120 optimizer steps
-        3 probe steps before the first selection and every 1 of the selections every 1 epoch(s)
+        3 probe steps before the first selection, 3 before every 1 of the selections every 1 epoch(s)
     """
     steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
     return (
         f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
         f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
-        f"the fit's {steps}; {schedule.probe_steps} probe steps before the first selection and every "
-        f"{schedule.probe_every} of the selections every {schedule.interval} {schedule.unit}(s)"
+        f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection, {schedule.probe_steps} "
+        f"before every {schedule.probe_every} of the selections every {schedule.interval} {schedule.unit}(s)"
     )
 
 

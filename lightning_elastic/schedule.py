@@ -1,11 +1,11 @@
 """When to measure importance and when to re-select, counted in optimizer steps.
 
-The first selection follows a probe window that opens training: `probe_steps` ordinary training steps with every
-candidate tensor trainable, during which the importance of every tensor is measured. Later selections come every
-`interval` optimizer steps, or every `interval` epochs (then as the selection epoch starts). Every `probe_every`-th
-of them is preceded by a probe window (in epoch mode, the end of the epoch before); the others re-use the importance
-that the selected tensors' own updates measure at every step. When the epoch length is unknown (an iterable data
-set), the window opens as the selection epoch starts instead.
+The first selection follows a probe window that opens training: `first_probe_steps` (by default `probe_steps`)
+ordinary training steps with every candidate tensor trainable, during which the importance of every tensor is
+measured. Later selections come every `interval` optimizer steps, or every `interval` epochs (then as the selection
+epoch starts). Every `probe_every`-th of them is preceded by a probe window of `probe_steps` (in epoch mode, the end
+of the epoch before); the others re-use the importance that the selected tensors' own updates measure at every step.
+When the epoch length is unknown (an iterable data set), the window opens as the selection epoch starts instead.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class Schedule:
         probe_every: a probe window precedes every `probe_every`-th selection after the first.
         total_steps: optimizer steps of the fit (`math.inf` when unknown): no window opens for a selection that
             would come at its end.
+        first_probe_steps: length of the first window (0: `probe_steps`); longer, so that it measures steady full
+            steps after the process's warm-up steps.
 
     Example:
         >>> schedule = Schedule(interval=2, unit="epoch", probe_steps=3, steps_per_epoch=10)
@@ -55,6 +57,12 @@ class Schedule:
     steps_per_epoch: float | tuple[int, ...] = math.inf
     probe_every: int = 1
     total_steps: float = math.inf
+    first_probe_steps: int = 0
+
+    @property
+    def first_steps(self) -> int:
+        """Length of the first probe window as asked (before it runs on, see `first_window_end`)."""
+        return self.first_probe_steps or self.probe_steps
 
     @property
     def period(self) -> float:
@@ -77,13 +85,13 @@ class Schedule:
 
     def probed(self, selection_step: int) -> bool:
         """Whether the selection at optimizer step `selection_step` follows a probe window."""
-        if selection_step <= self.probe_steps or math.isinf(self.period):
+        if selection_step <= self.first_steps or math.isinf(self.period):
             return True
         return self.selections_until(selection_step) % self.probe_every == 0
 
     def selects_at(self, step: int) -> bool:
         """Whether a selection without a probe window comes into force before optimizer step `step`."""
-        if math.isinf(self.period) or step <= self.probe_steps or next(self._selections_after(step - 1)) != step:
+        if math.isinf(self.period) or step <= self.first_steps or next(self._selections_after(step - 1)) != step:
             return False
         return not self.probed(step)
 
@@ -122,17 +130,18 @@ class Schedule:
 
     def selects_at_epoch_start(self, window_end: int) -> bool:
         """Whether the selection closing a window ending at `window_end` waits for the next epoch's start."""
-        return self.unit == "epoch" and window_end != self.probe_steps and not math.isinf(self.period)
+        return self.unit == "epoch" and window_end != self.first_steps and not math.isinf(self.period)
 
     @property
     def first_window_end(self) -> int:
-        """Where the first window ends: after `probe_steps`, unless the next window would open before the first
+        """Where the first window ends: after `first_steps`, unless the next window would open before the first
         selection trained a step; then the first window runs on until that window's selection (nothing wasted)."""
-        following = next(self._selections_after(self.probe_steps - 1), None)
-        if following is None or following == self.probe_steps or following >= self.total_steps:
-            return self.probe_steps
-        overwritten = following - self.probe_steps <= self.probe_steps and self.probed(following)
-        return following if overwritten else self.probe_steps
+        first = self.first_steps
+        following = next(self._selections_after(first - 1), None)
+        if following is None or following == first or following >= self.total_steps:
+            return first
+        overwritten = following - first <= self.probe_steps and self.probed(following)
+        return following if overwritten else first
 
     def selections_until(self, step: int) -> int:
         """How many selections after the first come into force at or before optimizer step `step`."""

@@ -30,7 +30,7 @@ from lightning_elastic.freezing import (
     pins,
 )
 from lightning_elastic.importance import ImportanceEvaluator
-from lightning_elastic.planner import Reach, WallClockPlan, reach
+from lightning_elastic.planner import WARMUP_STEPS, Reach, WallClockPlan, reach
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.records import Mask, SelectionRecord, StepTerms
@@ -42,11 +42,6 @@ from lightning_elastic.timing import StepTimer
 # re-plans at once, at most REPLANS times in a row (`FitSession.off_plan`).
 REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
 
-# The first optimizer steps a process runs are slower than the rest (first touch of memory, the allocator's and the
-# kernels' caches): charged to the fit, never samples of step time. Measured in fresh processes, every tensor trained:
-# Lite0 on ELPV, steps 1-3 took 0.76-0.89 s against 0.62-0.66 s after; MiniLM on e-mails, step 1 took 1.01 s against
-# 0.62 s plain-timed, and a first selected step at step 2 1.37 s against 0.26 s for the next three.
-WARMUP_STEPS = 4
 
 TOTALS = (
     "profile_seconds",

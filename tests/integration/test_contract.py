@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import lightning as L
@@ -152,6 +153,27 @@ def test_a_first_window_of_warm_up_steps_only_still_plans_the_whole_fit(error: f
     if error == 1.0:  # a full fit at the steady step; the device's own full fit also pays its slow first steps
         assert 96 * PROFILE.t_full / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03)
     assert "no steady full step measured" in callback.report().table()
+
+
+@pytest.mark.parametrize("error", [0.7, 1.3])
+def test_the_default_first_window_times_steady_full_steps_so_the_fit_lands_whatever_the_profile(error: float) -> None:
+    """The auto first window runs 2 steps past the process's warm-up steps (1.6x slow here) when the fit can pay
+    for them: `T` is then the steady full step measured (`error` x the profile's), not the profile's, from the first
+    selection on, and the fit lands on the asked speedup of the whole full fit. With the previous test's 4-step
+    window (all warm-up) it only lands on its own plan, off by `error`. No warning that the window runs on."""
+    device = VirtualDevice(error, slow=(session.WARMUP_STEPS, 1.6))
+    callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*first window runs on.*")
+        tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
+    assert callback._fit is not None and callback._fit.schedule.first_window_end == session.WARMUP_STEPS + 2
+    assert callback.history[0].step == session.WARMUP_STEPS + 2
+    assert [r.full_seconds for r in callback.history] == pytest.approx([error * PROFILE.t_full] * len(callback.history))
+    summary = callback.summary()
+    # on the asked speedup of a full fit at the steady step (the device's own also pays its slow first steps)
+    assert 96 * error * PROFILE.t_full / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03), summary
+    assert "no steady full step measured" not in callback.report().table()
 
 
 def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time(

@@ -8,7 +8,9 @@ import pytest
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import (
+    FIRST_WINDOW_SHARE,
     PROBE_SHARE,
+    WARMUP_STEPS,
     ProbePlan,
     ScheduleRefusal,
     WallClockPlan,
@@ -74,12 +76,14 @@ def test_state_round_trip() -> None:
 @pytest.mark.parametrize(
     ("steps", "selections", "speedup", "expected"),
     [
-        (600, 10, 2.0, ProbePlan(4, 3)),
-        (100, 5, 2.0, ProbePlan(3, 5)),
-        (150, 5, 2.0, ProbePlan(4, 5)),
-        (10_000, 10, 1.5, ProbePlan(4, 1)),
-        (20, 2, 3.0, ProbePlan(1, 2)),
-        (None, None, 2.0, ProbePlan(4, 1)),
+        (600, 10, 2.0, ProbePlan(4, 3, 6)),  # 18 probe steps allowed: the first window of 6, then 3 of 4
+        (100, 5, 2.0, ProbePlan(3, 5, 6)),
+        (150, 5, 2.0, ProbePlan(4, 5, 6)),
+        (90, 2, 2.0, ProbePlan(2, 2, 6)),  # the text fit: 6 steps are 6.7% of it
+        (90, 2, 3.0, ProbePlan(1, 2, 1)),  # ... at 3x 13%: no steady sample
+        (10_000, 10, 1.5, ProbePlan(4, 1, 6)),
+        (20, 2, 3.0, ProbePlan(1, 2, 1)),
+        (None, None, 2.0, ProbePlan(4, 1, 6)),
     ],
 )
 def test_auto_probe_plan_keeps_the_probe_share(
@@ -89,8 +93,22 @@ def test_auto_probe_plan_keeps_the_probe_share(
     assert plan == expected
     if steps is not None and selections is not None:
         windows = math.ceil(selections / plan.every)
-        share = windows * plan.steps * (speedup - 1) / steps
-        assert share <= PROBE_SHARE or (plan.steps == 1 and windows == 1)
+        first_share = plan.first * (speedup - 1) / steps
+        share = (plan.first + (windows - 1) * plan.steps) * (speedup - 1) / steps
+        if plan.first > plan.steps:  # the first window measures steady steps: within its share, the rest in theirs
+            assert plan.first == WARMUP_STEPS + 2 and first_share <= FIRST_WINDOW_SHARE
+            assert share <= max(PROBE_SHARE, first_share)
+        else:
+            assert share <= PROBE_SHARE or (plan.steps == 1 and windows == 1)
+
+
+def test_a_period_too_short_for_the_long_first_window_keeps_the_windows_the_share_allows() -> None:
+    # 160 steps at 1.5x, a selection every 4 steps: 9.6 probe steps allowed, windows of 3 (the period's limit) and
+    # no 6-step first window (it would leave its selection 2 steps of 4): 3 windows, one before every 14th selection,
+    # so that windows after the process's warm-up steps measure `T`
+    assert auto_probe_plan(160, 40, 1.5, period=4) == ProbePlan(3, 14, 3)
+    assert auto_probe_plan(160, 4, 1.5, period=40) == ProbePlan(4, 4, 6)
+    assert auto_probe_plan(None, None, 2.0, period=10) == ProbePlan(4, 1, 4)
 
 
 def test_reachable_speedup_by_hand() -> None:
@@ -177,6 +195,15 @@ def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
     assert asked == Schedule(2, "epoch", 5, (10,), probe_every=1, total_steps=math.inf)
     unknown = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=math.inf, total_steps=None)
     assert isinstance(unknown, Schedule) and (unknown.probe_steps, unknown.probe_every) == (4, 1)
+    assert unknown.first_window_end == WARMUP_STEPS + 2
+    # 30 steps an epoch, 150 steps: the first window measures 2 steady steps (6 of 150 at 2x: 4% of the fit), the
+    # selection closing it comes at once, not at the next epoch; the 4.5 probe steps allowed leave no other window
+    user = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(30,), total_steps=150)
+    assert user == Schedule(1, "epoch", 4, (30,), probe_every=5, total_steps=150, first_probe_steps=6)
+    assert [s for s in range(150) if user.window_end(s) is not None] == [0, 1, 2, 3, 4, 5]
+    assert not user.selects_at_epoch_start(6) and user.selects_at_epoch_start(30 * 5)
+    assert user.probe_steps_between(0, 150) == 6 and user.probe_steps_between(3, 150) == 3
+    assert not user.selects_at(6) and [s for s in range(150) if user.selects_at(s)] == [30, 60, 90, 120]
 
 
 @pytest.mark.parametrize(

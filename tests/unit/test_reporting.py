@@ -83,10 +83,10 @@ def test_top_importance_is_tagged_by_name_and_skips_not_a_number() -> None:
 def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
     prof = TimingProfile(names=NAMES, t_dw=(0.001,) * 3, t_dy=(0.002,) * 3, t_fw=0.004, t_full=0.0125,
                          device="cpu", fingerprint="f", unused=(), method="measured", numel=NUMEL)
-    assert start_message(prof, 1.5, 240, Schedule(2, "step", 4, probe_every=3)) == (
+    assert start_message(prof, 1.5, 240, Schedule(20, "step", 4, probe_every=3, first_probe_steps=6)) == (
         "ElasticTensorSelection: 3 tensors profiled on cpu (full forward+backward 12.5 ms, forward 4.0 ms); target "
-        "speedup 1.5 for the fit's 240 optimizer steps; 4 probe steps before the first selection and every 3 of the "
-        "selections every 2 step(s)"
+        "speedup 1.5 for the fit's 240 optimizer steps; 6 probe steps before the first selection, 4 before every 3 "
+        "of the selections every 20 step(s)"
     )
     assert "for the fit's steps (length unknown: planned per interval);" in start_message(
         prof, 2.0, None, Schedule(1, "epoch", 4)
