@@ -68,8 +68,8 @@ class ElasticTensorSelection(Callback):
         interval: re-select every `interval` epochs or optimizer steps (see `interval_unit`).
         interval_unit: "epoch" (re-select as an epoch starts) or "step".
         probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (3%) of
-            the fit, the first long enough to time steady full steps; or the steps of every window, each full
-            training steps that measure every tensor's importance.
+            the fit, the first long enough to time steady full steps when the fit can pay for it; or the steps of
+            every window, each full training steps that measure every tensor's importance.
         time_model: "measured" (per-tensor times profiled on this device) or "flops" (analytic fallback).
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
@@ -233,7 +233,7 @@ class ElasticTensorSelection(Callback):
         resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
-        reporting.announce(trainer, prof, self._speedup, total_steps, schedule)
+        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule)
         fit.charge_start(profile_seconds + self._clock() - started)
         return fit
 

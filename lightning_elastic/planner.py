@@ -11,8 +11,8 @@ unknown) what is left: probe steps ahead are charged at `T` each, the selected s
 selected steps feed back twice: they are spent (so any error is made up for later), and the ratio of measured to
 predicted seconds corrects the time model's next predictions (so the error is not made again).
 
-Before training, `plan_schedule` sizes the probe windows (or says why they do not fit) and `reach` says which
-speedup the fit can reach at all.
+Before training, `windows.plan_schedule` sizes the probe windows (or says why they do not fit) and `reach` says
+which speedup the fit can reach at all.
 
 Pure arithmetic with no clock of its own: the callback feeds it measured seconds, tests feed it known ones.
 """
@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal
+from typing import Any
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.schedule import IntervalUnit, Schedule
+from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
 
 # The weight of the latest interval's measured / predicted ratio in the correction (the first one counts fully).
@@ -35,134 +35,6 @@ CORRECTION_BOUNDS = (0.25, 4.0)
 # A probe step that took more than this many times the window's median was paused (by the OS, another process, a
 # garbage collection): with 3 or 4 steps a window, one such step would move `T` by a third. Not a sample of `T`.
 PAUSED = 2.0
-# The first optimizer steps a process runs are slower than the rest (first touch of memory, the allocator's and the
-# kernels' caches): charged to the fit, never samples of step time. Measured in fresh processes, every tensor trained:
-# Lite0 on ELPV, steps 1-3 took 0.76-0.89 s against 0.62-0.66 s after; MiniLM on e-mails, step 1 took 1.01 s against
-# 0.62 s plain-timed, and a first selected step at step 2 1.37 s against 0.26 s for the next three.
-WARMUP_STEPS = 4
-# Auto probe windows: their extra cost stays within this share of the planned fit (3%; 4% gave a 228-step fit at 2x
-# a second window, 7 samples of `T` instead of 3, for 3.6 s of probes instead of 1.8 s, 6.2% of a cached fit's
-# training time instead of 2.5%, and left a cached run's `T` 17% above the full run's step: docs/results.md) ...
-PROBE_SHARE = 0.03
-# ... in windows of this many steps (shorter only when the fit is too short for one) ...
-PROBE_WINDOW = 4
-# ... but the first window runs past the process's warm-up steps to measure 2 steady full steps, whenever that costs
-# at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came out 0.68-1.07 of
-# the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full steps more.
-FIRST_WINDOW, FIRST_WINDOW_SHARE = WARMUP_STEPS + 2, 0.10
-
-
-@dataclass(frozen=True)
-class ProbePlan:
-    """How long probe windows are, and before which selections they open.
-
-    Attributes:
-        steps: optimizer steps of one probe window.
-        every: a window precedes the first selection and every `every`-th after it; the selections in between
-            use the importance that the selected tensors' own updates measured.
-        first: optimizer steps of the first window.
-    """
-
-    steps: int
-    every: int
-    first: int
-
-
-def auto_probe_plan(
-    total_steps: int | None, selections: int | None, speedup: float, period: float = math.inf
-) -> ProbePlan:
-    """Probe windows whose extra cost stays within `PROBE_SHARE` of the planned fit, the first measuring `T`.
-
-    A probe step costs a full step `T` where a selected step costs about `T / s`, so `P` probe steps in a fit of
-    `N` steps add `P * (1 - 1 / s) * T` to a plan of `N * T / s`: a share of `P * (s - 1) / N`. Windows of
-    `PROBE_WINDOW` steps (fewer when even one would exceed the share, or fill the `period` between two selections),
-    as many as the share allows, spread evenly over the selections. The first window is `FIRST_WINDOW` steps long
-    when that costs at most `FIRST_WINDOW_SHARE` and leaves the first selection half a period to train (its steps
-    come out of the share). A fit of unknown length probes before every selection.
-
-    Example:
-        >>> auto_probe_plan(total_steps=600, selections=10, speedup=2.0)
-        ProbePlan(steps=4, every=3, first=6)
-        >>> auto_probe_plan(total_steps=90, selections=2, speedup=3.0)  # 6 steps would be 13% of the fit
-        ProbePlan(steps=1, every=2, first=1)
-    """
-    longest = PROBE_WINDOW if math.isinf(period) else min(PROBE_WINDOW, int(period) - 1)
-    if total_steps is None or selections is None:
-        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if period > 2 * FIRST_WINDOW else longest)
-    scale = total_steps / max(speedup - 1.0, 1e-9)  # probe steps per unit of share
-    allowed = PROBE_SHARE * scale
-    steps = max(1, min(longest, math.floor(allowed)))
-    affordable = FIRST_WINDOW_SHARE * scale >= FIRST_WINDOW and period > 2 * FIRST_WINDOW
-    first = FIRST_WINDOW if affordable else steps
-    windows = 1 + math.floor(max(0.0, allowed - max(first, steps)) / steps)
-    return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)), first=max(first, steps))
-
-
-@dataclass(frozen=True)
-class ScheduleRefusal:
-    """Probe windows that do not fit between two selections.
-
-    Attributes:
-        message: the `ElasticConfigError` message (under `fast_dev_run`, why the callback steps aside instead).
-    """
-
-    message: str
-
-
-def plan_schedule(
-    interval: int,
-    unit: IntervalUnit,
-    probe_steps: int | Literal["auto"],
-    speedup: float,
-    steps_per_epoch: float | tuple[int, ...],
-    total_steps: int | None,
-) -> Schedule | ScheduleRefusal:
-    """The fit's schedule, with probe windows sized by `auto_probe_plan` or as asked; a refusal if they do not fit.
-
-    Example:
-        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100).first_window_end
-        6
-        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100).probe_steps
-        3
-        >>> plan_schedule(2, "step", 2, 2.0, steps_per_epoch=(20,), total_steps=100).message[:43]
-        '`probe_steps` must be fewer than the optimi'
-    """
-    shape = Schedule(interval, unit, 0, steps_per_epoch, 1, total_steps or math.inf)
-    period = shape.period
-    if probe_steps == "auto":
-        selections = None if total_steps is None or math.isinf(period) else 1 + shape.selections_until(total_steps - 1)
-        probes = auto_probe_plan(total_steps, selections, speedup, period)
-        steps, every, first = probes.steps, probes.every, probes.first
-    else:
-        steps, every, first = int(probe_steps), 1, int(probe_steps)
-    if period <= steps or steps < 1:
-        return ScheduleRefusal(
-            f"`probe_steps` must be fewer than the optimizer steps between two selections ({period:g} = "
-            f"`interval` {interval} x {'steps per epoch' if unit == 'epoch' else '1 step'}). Found: {probe_steps}"
-        )
-    return replace(shape, probe_steps=steps, probe_every=every, first_probe_steps=first if first > steps else 0)
-
-
-def late_first_window(schedule: Schedule) -> str | None:
-    """The warning when the first probe window runs on past its length (None when it does not).
-
-    Example:
-        >>> late_first_window(Schedule(interval=3, unit="step", probe_steps=2))[24:100]
-        '`probe_steps` 2 leave the first selection no step to train before the next w'
-        >>> late_first_window(Schedule(interval=5, unit="step", probe_steps=2)) is None
-        True
-    """
-    steps, period = schedule.first_steps, schedule.period
-    if schedule.first_window_end == steps:
-        return None
-    return (
-        f"ElasticTensorSelection: `probe_steps` {steps} leave the first selection no step to train before the next "
-        f"window opens ({period:g} optimizer steps between selections), so the first window runs on until step "
-        f"{schedule.first_window_end} and the first selection comes there. Fewer than {period / 2:g} `probe_steps` "
-        "select earlier."
-    )
-
-
 def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:
     """The largest whole-fit speedup: every probe step at full cost, every other step at the cheapest selection.
 
@@ -279,6 +151,37 @@ def reach(
         profile_seconds=profile_seconds,
         profile_steps=profile_steps,
     )
+
+
+def reach_shortening(
+    model: StepTimeModel,
+    required: Sequence[bool],
+    forbidden: Sequence[bool],
+    schedule: Schedule,
+    total_steps: int | None,
+    profile_seconds: float,
+    full_step: float,
+    speedup: float,
+) -> tuple[Schedule, Reach]:
+    """`reach`, with a first window longer than the others (`windows.auto_probe_plan`'s, to time `T`) cut back to their
+    length when it alone would put `speedup` out of this fit's reach: the schedule to run and what it reaches.
+
+    Example:
+        >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
+        >>> long = Schedule(50, "step", 1, first_probe_steps=6)  # 7 probe steps of 100 reach 1.58x, 2 1.63x
+        >>> schedule, fit = reach_shortening(model, [False] * 2, [False] * 2, long, 100, 0.0, 5.0, speedup=1.62)
+        >>> schedule.first_window_end, round(fit.this_fit, 3)
+        (1, 1.634)
+        >>> reach_shortening(model, [False] * 2, [False] * 2, long, 100, 0.0, 5.0, speedup=1.55)[0] is long
+        True
+    """
+    limit = reach(model, required, forbidden, schedule, total_steps, profile_seconds, full_step)
+    if schedule.first_probe_steps and limit.this_fit < speedup:
+        short = replace(schedule, first_probe_steps=0)
+        shorter = reach(model, required, forbidden, short, total_steps, profile_seconds, full_step)
+        if shorter.this_fit > limit.this_fit:
+            return short, shorter
+    return schedule, limit
 
 
 @dataclass

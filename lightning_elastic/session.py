@@ -30,13 +30,14 @@ from lightning_elastic.freezing import (
     pins,
 )
 from lightning_elastic.importance import ImportanceEvaluator
-from lightning_elastic.planner import WARMUP_STEPS, Reach, WallClockPlan, reach
+from lightning_elastic.planner import Reach, WallClockPlan, reach_shortening
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.records import Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
+from lightning_elastic.windows import WARMUP_STEPS
 
 # After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
 # re-plans at once, at most REPLANS times in a row (`FitSession.off_plan`).
@@ -145,10 +146,15 @@ class FitSession:
         )
 
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
-        """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`)."""
+        """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`). A first window
+        longer than the others (to time `T`, see `windows.auto_probe_plan`) is cut back to their length when it
+        alone would put the asked speedup out of this fit's reach."""
         total = self.plan.total_steps if calibrate else None
         model = StepTimeModel.from_profile(prof)
-        return reach(model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full)
+        self.schedule, limit = reach_shortening(
+            model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full, self.plan.speedup
+        )
+        return limit
 
     def charge_start(self, seconds: float) -> None:
         """Charge the callback's own seconds as the fit began (profiling and the plan's start) to the plan."""
@@ -166,7 +172,7 @@ class FitSession:
         self.step_at_batch_start = step
         end = self.schedule.window_end(step)
         if end is None and not self.history and step > 0:
-            end = step + self.schedule.probe_steps
+            end = step + self.schedule.first_steps
         if self.probe_end is None and end is not None:
             self.open_probe(trainer, end)
         self.step_timer.start()
@@ -299,7 +305,7 @@ class FitSession:
             horizon = self.plan.total_steps
         else:
             period = self.schedule.period
-            previous = step - self.history[-1].step if self.history else self.schedule.probe_steps
+            previous = step - self.history[-1].step if self.history else step
             horizon = step + (int(period) if math.isfinite(period) else max(previous, 1))
         ahead = self.schedule.probe_steps_between(step, horizon)
         target = self.plan.target(step, horizon, ahead)

@@ -2,7 +2,7 @@
 
 `check_supported` refuses a module the method cannot run with (as the fit is set up); `fit_schedule` reads the
 Trainer's epochs and the fit's length (`epoch_lengths`) into the schedule of probe windows and selections
-(`planner.plan_schedule`), or says why the callback stays off.
+(`windows.plan_schedule`), or says why the callback stays off.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_elastic.distributed import prepare_strategy
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.planner import ScheduleRefusal, late_first_window, plan_schedule
 from lightning_elastic.schedule import IntervalUnit, Schedule
+from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
 
 
 def check_supported(trainer: L.Trainer, pl_module: L.LightningModule) -> None:

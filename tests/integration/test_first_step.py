@@ -261,6 +261,26 @@ def test_first_steps_that_skip_their_backward_pass_still_leave_a_probe_window_an
     assert 1 <= fit.plan.full_samples <= 2
 
 
+def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window() -> None:
+    """The first 6 steps return no loss, so profiling and the first window begin at step 6, after the scheduled
+    first window (auto: 6 steps, to time 2 steady full steps after the process's warm-up): the window opened there
+    is that long too (before, a later window's length, all of it warm-up), and its selection waits for the epoch."""
+
+    class SkipsSix(Counted):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+            loss = super().training_step(batch, batch_idx)
+            return None if self.trainer.global_step < 6 and self.calls <= 6 else loss
+
+    callback = elastic(False, probe_steps="auto", interval=2)
+    trainer = tiny_trainer(callbacks=[callback], max_steps=64, max_epochs=8)  # epochs of 8 steps, selections every 16
+    trainer.fit(SkipsSix(), tiny_data())
+    fit = callback._fit
+    assert fit is not None and fit.schedule.first_steps == session.WARMUP_STEPS + 2 == 6
+    assert [r.step for r in callback.history][:1] == [16]
+    # every step from 6 timed; 2 more of them probe steps than with a 4-step late window (16)
+    assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 18
+
+
 def test_a_failing_call_after_the_fit_does_not_give_back_the_fits_flags() -> None:
     module, callback = Counted(), elastic(False)
     trainer = tiny_trainer(callbacks=[callback], max_steps=3)

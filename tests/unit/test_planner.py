@@ -7,23 +7,20 @@ import math
 import pytest
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.planner import (
+from lightning_elastic.planner import WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
+from lightning_elastic.schedule import Schedule
+from lightning_elastic.selector import decide
+from lightning_elastic.time_model import StepTimeModel
+from lightning_elastic.windows import (
     FIRST_WINDOW_SHARE,
     PROBE_SHARE,
     WARMUP_STEPS,
     ProbePlan,
     ScheduleRefusal,
-    WallClockPlan,
-    at_most,
     auto_probe_plan,
     late_first_window,
     plan_schedule,
-    reach,
-    reachable_speedup,
 )
-from lightning_elastic.schedule import Schedule
-from lightning_elastic.selector import decide
-from lightning_elastic.time_model import StepTimeModel
 
 
 def test_target_shares_what_is_left_among_the_selected_steps_ahead() -> None:
@@ -109,6 +106,30 @@ def test_a_period_too_short_for_the_long_first_window_keeps_the_windows_the_shar
     assert auto_probe_plan(160, 40, 1.5, period=4) == ProbePlan(3, 14, 3)
     assert auto_probe_plan(160, 4, 1.5, period=40) == ProbePlan(4, 4, 6)
     assert auto_probe_plan(None, None, 2.0, period=10) == ProbePlan(4, 1, 4)
+
+
+def test_a_fit_of_unknown_epoch_length_gets_the_long_first_window_only_where_it_can_pay_for_it() -> None:
+    # the fit's length known, the epoch's not: a 4-step window before every selection, the first 6 long only within
+    # its 10% share and when the fit has room for it
+    assert auto_probe_plan(600, None, 2.0) == ProbePlan(4, 1, 6)
+    assert auto_probe_plan(40, None, 3.0) == ProbePlan(4, 1, 4)  # 6 steps would be 30% of the planned fit
+    assert auto_probe_plan(5, None, 1.05) == ProbePlan(4, 1, 4)  # ... or the whole fit
+    assert auto_probe_plan(None, None, 2.0) == ProbePlan(4, 1, 6)
+
+
+def test_a_long_first_window_that_alone_puts_the_speedup_out_of_reach_is_cut_back() -> None:
+    # 90 steps at 2x with a 2-step window: reachable while the cheapest step is <= 0.489 of a full step; with the
+    # 6-step first window only while it is <= 0.464. A floor of 0.475 in between: the first window is cut back.
+    model = StepTimeModel(t_dw=(1.0, 0.0), t_dy=(0.0, 0.0), t_fixed=0.475 / 0.525)  # floor: t_fixed / (t_fixed + 1)
+    auto = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(45,), total_steps=90)
+    assert isinstance(auto, Schedule) and (auto.first_window_end, auto.probe_steps) == (6, 2)
+    kept, fit = reach_shortening(model, [False] * 2, [False] * 2, auto, 90, 0.0, model.full, speedup=2.0)
+    assert kept.first_window_end == 2 and kept.probe_steps == 2
+    assert fit.this_fit == pytest.approx(90 / (2 + 88 * 0.475)) and fit.this_fit >= 2.0
+    assert reach(model, [False] * 2, [False] * 2, auto, 90, 0.0, model.full).this_fit < 2.0
+    # at 1.9x the long window fits: it stays
+    kept, _ = reach_shortening(model, [False] * 2, [False] * 2, auto, 90, 0.0, model.full, speedup=1.9)
+    assert kept is auto
 
 
 def test_reachable_speedup_by_hand() -> None:

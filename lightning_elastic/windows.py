@@ -1,0 +1,145 @@
+"""Probe windows, sized before training: how long, before which selections, and the warm-up steps around them.
+
+A probe window trains every candidate tensor for a few ordinary steps, so that their importance is measured and its
+steps time the full step `T` of the wall-clock plan (`planner.WallClockPlan`). `plan_schedule` gives the fit its
+`Schedule`: with `probe_steps="auto"` windows cost a small share of the fit (`auto_probe_plan`), the first long
+enough to time steady steps after the process's warm-up steps when the fit can pay for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from lightning_elastic.schedule import IntervalUnit, Schedule
+
+# The first optimizer steps a process runs are slower than the rest (first touch of memory, the allocator's and the
+# kernels' caches): charged to the fit, never samples of step time. Measured in fresh processes, every tensor trained:
+# Lite0 on ELPV, steps 1-3 took 0.76-0.89 s against 0.62-0.66 s after; MiniLM on e-mails, step 1 took 1.01 s against
+# 0.62 s plain-timed, and a first selected step at step 2 1.37 s against 0.26 s for the next three.
+WARMUP_STEPS = 4
+# Auto probe windows: their extra cost stays within this share of the planned fit (3%; 4% gave a 228-step fit at 2x
+# a second window, 7 samples of `T` instead of 3, for 3.6 s of probes instead of 1.8 s, 6.2% of a cached fit's
+# training time instead of 2.5%, and left a cached run's `T` 17% above the full run's step: docs/results.md) ...
+PROBE_SHARE = 0.03
+# ... in windows of this many steps (shorter only when the fit is too short for one) ...
+PROBE_WINDOW = 4
+# ... but the first window runs past the process's warm-up steps to measure 2 steady full steps, whenever that costs
+# at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came out 0.68-1.07 of
+# the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full steps more.
+FIRST_WINDOW, FIRST_WINDOW_SHARE = WARMUP_STEPS + 2, 0.10
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """How long probe windows are, and before which selections they open.
+
+    Attributes:
+        steps: optimizer steps of one probe window.
+        every: a window precedes the first selection and every `every`-th after it; the selections in between
+            use the importance that the selected tensors' own updates measured.
+        first: optimizer steps of the first window.
+    """
+
+    steps: int
+    every: int
+    first: int
+
+
+def auto_probe_plan(
+    total_steps: int | None, selections: int | None, speedup: float, period: float = math.inf
+) -> ProbePlan:
+    """Probe windows whose extra cost stays within `PROBE_SHARE` of the planned fit, the first measuring `T`.
+
+    A probe step costs a full step `T` where a selected step costs about `T / s`, so `P` probe steps in a fit of
+    `N` steps add `P * (1 - 1 / s) * T` to a plan of `N * T / s`: a share of `P * (s - 1) / N`. Windows of
+    `PROBE_WINDOW` steps (fewer when even one would exceed the share, or fill the `period` between two selections),
+    as many as the share allows, spread evenly over the selections. The first window is `FIRST_WINDOW` steps long
+    when that costs at most `FIRST_WINDOW_SHARE` and leaves the first selection at least as many steps to train,
+    before the next selection and the fit's end (its steps come out of the share). A fit whose epoch length is
+    unknown probes before every selection; if its length is unknown too, its first window is `FIRST_WINDOW` long.
+
+    Example:
+        >>> auto_probe_plan(total_steps=600, selections=10, speedup=2.0)
+        ProbePlan(steps=4, every=3, first=6)
+        >>> auto_probe_plan(total_steps=90, selections=2, speedup=3.0)  # 6 steps would be 13% of the fit
+        ProbePlan(steps=1, every=2, first=1)
+    """
+    longest = PROBE_WINDOW if math.isinf(period) else min(PROBE_WINDOW, int(period) - 1)
+    if total_steps is None:
+        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if period > 2 * FIRST_WINDOW else longest)
+    scale = total_steps / max(speedup - 1.0, 1e-9)  # probe steps per unit of share
+    allowed = PROBE_SHARE * scale
+    steps = max(1, min(longest, math.floor(allowed)))
+    room = min(period, total_steps) > 2 * FIRST_WINDOW  # the first selection trains at least as long as its window
+    first = FIRST_WINDOW if room and FIRST_WINDOW_SHARE * scale >= FIRST_WINDOW else steps
+    if selections is None:  # epoch length unknown: a window before every selection
+        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if first == FIRST_WINDOW else longest)
+    windows = 1 + math.floor(max(0.0, allowed - max(first, steps)) / steps)
+    return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)), first=max(first, steps))
+
+
+@dataclass(frozen=True)
+class ScheduleRefusal:
+    """Probe windows that do not fit between two selections.
+
+    Attributes:
+        message: the `ElasticConfigError` message (under `fast_dev_run`, why the callback steps aside instead).
+    """
+
+    message: str
+
+
+def plan_schedule(
+    interval: int,
+    unit: IntervalUnit,
+    probe_steps: int | Literal["auto"],
+    speedup: float,
+    steps_per_epoch: float | tuple[int, ...],
+    total_steps: int | None,
+) -> Schedule | ScheduleRefusal:
+    """The fit's schedule, with probe windows sized by `auto_probe_plan` or as asked; a refusal if they do not fit.
+
+    Example:
+        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100).first_window_end
+        6
+        >>> plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(20,), total_steps=100).probe_steps
+        3
+        >>> plan_schedule(2, "step", 2, 2.0, steps_per_epoch=(20,), total_steps=100).message[:43]
+        '`probe_steps` must be fewer than the optimi'
+    """
+    shape = Schedule(interval, unit, 0, steps_per_epoch, 1, total_steps or math.inf)
+    period = shape.period
+    if probe_steps == "auto":
+        selections = None if total_steps is None or math.isinf(period) else 1 + shape.selections_until(total_steps - 1)
+        probes = auto_probe_plan(total_steps, selections, speedup, period)
+        steps, every, first = probes.steps, probes.every, probes.first
+    else:
+        steps, every, first = int(probe_steps), 1, int(probe_steps)
+    if period <= steps or steps < 1:
+        return ScheduleRefusal(
+            f"`probe_steps` must be fewer than the optimizer steps between two selections ({period:g} = "
+            f"`interval` {interval} x {'steps per epoch' if unit == 'epoch' else '1 step'}). Found: {probe_steps}"
+        )
+    return replace(shape, probe_steps=steps, probe_every=every, first_probe_steps=first if first > steps else 0)
+
+
+def late_first_window(schedule: Schedule) -> str | None:
+    """The warning when the first probe window runs on past its length (None when it does not).
+
+    Example:
+        >>> late_first_window(Schedule(interval=3, unit="step", probe_steps=2))[24:100]
+        '`probe_steps` 2 leave the first selection no step to train before the next w'
+        >>> late_first_window(Schedule(interval=5, unit="step", probe_steps=2)) is None
+        True
+    """
+    steps, period = schedule.first_steps, schedule.period
+    if schedule.first_window_end == steps:
+        return None
+    return (
+        f"ElasticTensorSelection: `probe_steps` {steps} leave the first selection no step to train before the next "
+        f"window opens ({period:g} optimizer steps between selections), so the first window runs on until step "
+        f"{schedule.first_window_end} and the first selection comes there. Fewer than {period / 2:g} `probe_steps` "
+        "select earlier."
+    )
