@@ -264,9 +264,13 @@ def targets(cfg: DictConfig, grouped: dict[str, list[dict[str, Any]]]) -> list[s
         "",
         f"- end-to-end wall clock >= {TARGET_WALL_SPEEDUP}x faster than full fine-tuning: {wall:.2f}x, "
         f"{verdict(wall >= TARGET_WALL_SPEEDUP)}",
-        f"- selected step <= {TARGET_STEP_FRACTION} of the full step measured in the same run: {step:.3f}, "
-        f"{verdict(step <= TARGET_STEP_FRACTION)} (against the full fine-tuning run's mean step: "
-        f"{mean(ours, 'step_vs_full_run'):.3f})",
+        f"- selected step <= {TARGET_STEP_FRACTION} of the full step measured in the same run: "
+        + (
+            f"{step:.3f}, {verdict(step <= TARGET_STEP_FRACTION)}"
+            if math.isfinite(step)
+            else "not checked (no run measured a steady full step)"
+        )
+        + f" (against the full fine-tuning run's mean step: {mean(ours, 'step_vs_full_run'):.3f})",
         f"- final {label} within {TARGET_ACCURACY_POINTS:g} point of full fine-tuning: {accuracy * 100:.1f}% vs "
         f"{full_accuracy * 100:.1f}% ({(accuracy - full_accuracy) * 100:+.1f}), "
         f"{verdict(accuracy >= full_accuracy - TARGET_ACCURACY_POINTS / 100)}",

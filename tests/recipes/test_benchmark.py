@@ -137,6 +137,10 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     assert "- final accuracy within 1 point of full fine-tuning: 79.5% vs 80.0% (-0.5), met" in report
     assert "- final accuracy above head_only (step 1250 ms vs 2750 ms): 79.5% vs 65.0%, met" in report
     assert "- selected step <= 0.55 of the full step measured in the same run: 0.500, met (against the full " in report
+    # no steady full step in any elastic run (every probe step a warm-up step): said so, not "nan, missed"
+    unmeasured = [dict(r, step_fraction=math.nan) if r["method"] == "elastic_2x" else r for r in rows]
+    report = markdown_report(cfg, unmeasured, 60.0)
+    assert "same run: not checked (no run measured a steady full step) (against the full fine-tuning run's" in report
 
 
 def _recorded(
