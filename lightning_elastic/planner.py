@@ -20,7 +20,7 @@ Pure arithmetic with no clock of its own: the callback feeds it measured seconds
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -154,31 +154,26 @@ def reach(
 
 
 def reach_shortening(
-    model: StepTimeModel,
-    required: Sequence[bool],
-    forbidden: Sequence[bool],
-    schedule: Schedule,
-    total_steps: int | None,
-    profile_seconds: float,
-    full_step: float,
-    speedup: float,
+    schedule: Schedule, speedup: float, reach_of: Callable[[Schedule], Reach]
 ) -> tuple[Schedule, Reach]:
-    """`reach`, with a first window longer than the others (`windows.auto_probe_plan`'s, to time `T`) cut back to their
-    length when it alone would put `speedup` out of this fit's reach: the schedule to run and what it reaches.
+    """What `schedule` reaches (`reach_of`, e.g. `reach` with the fit's model), with a first window longer than the
+    others (`windows.auto_probe_plan`'s, to time `T`) cut back to their length when it alone would put `speedup` out
+    of this fit's reach: the schedule to run and what it reaches.
 
     Example:
         >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
+        >>> reach_of = lambda schedule: reach(model, [False] * 2, [False] * 2, schedule, 100, 0.0, 5.0)
         >>> long = Schedule(50, "step", 1, first_probe_steps=6)  # 7 probe steps of 100 reach 1.58x, 2 1.63x
-        >>> schedule, fit = reach_shortening(model, [False] * 2, [False] * 2, long, 100, 0.0, 5.0, speedup=1.62)
+        >>> schedule, fit = reach_shortening(long, 1.62, reach_of)
         >>> schedule.first_window_end, round(fit.this_fit, 3)
         (1, 1.634)
-        >>> reach_shortening(model, [False] * 2, [False] * 2, long, 100, 0.0, 5.0, speedup=1.55)[0] is long
+        >>> reach_shortening(long, 1.55, reach_of)[0] is long
         True
     """
-    limit = reach(model, required, forbidden, schedule, total_steps, profile_seconds, full_step)
+    limit = reach_of(schedule)
     if schedule.first_probe_steps and limit.this_fit < speedup:
         short = replace(schedule, first_probe_steps=0)
-        shorter = reach(model, required, forbidden, short, total_steps, profile_seconds, full_step)
+        shorter = reach_of(short)
         if shorter.this_fit > limit.this_fit:
             return short, shorter
     return schedule, limit

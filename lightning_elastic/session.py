@@ -30,7 +30,7 @@ from lightning_elastic.freezing import (
     pins,
 )
 from lightning_elastic.importance import ImportanceEvaluator
-from lightning_elastic.planner import Reach, WallClockPlan, reach_shortening
+from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.records import Mask, SelectionRecord, StepTerms
@@ -152,7 +152,9 @@ class FitSession:
         total = self.plan.total_steps if calibrate else None
         model = StepTimeModel.from_profile(prof)
         self.schedule, limit = reach_shortening(
-            model, self.required, self.forbidden, self.schedule, total, profile_seconds, prof.t_full, self.plan.speedup
+            self.schedule,
+            self.plan.speedup,
+            lambda schedule: reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full),
         )
         return limit
 

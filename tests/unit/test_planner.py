@@ -7,7 +7,7 @@ import math
 import pytest
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.planner import WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
+from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
@@ -123,12 +123,16 @@ def test_a_long_first_window_that_alone_puts_the_speedup_out_of_reach_is_cut_bac
     model = StepTimeModel(t_dw=(1.0, 0.0), t_dy=(0.0, 0.0), t_fixed=0.475 / 0.525)  # floor: t_fixed / (t_fixed + 1)
     auto = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(45,), total_steps=90)
     assert isinstance(auto, Schedule) and (auto.first_window_end, auto.probe_steps) == (6, 2)
-    kept, fit = reach_shortening(model, [False] * 2, [False] * 2, auto, 90, 0.0, model.full, speedup=2.0)
+
+    def reach_of(schedule: Schedule) -> Reach:
+        return reach(model, [False] * 2, [False] * 2, schedule, 90, 0.0, model.full)
+
+    kept, fit = reach_shortening(auto, 2.0, reach_of)
     assert kept.first_window_end == 2 and kept.probe_steps == 2
     assert fit.this_fit == pytest.approx(90 / (2 + 88 * 0.475)) and fit.this_fit >= 2.0
     assert reach(model, [False] * 2, [False] * 2, auto, 90, 0.0, model.full).this_fit < 2.0
     # at 1.9x the long window fits: it stays
-    kept, _ = reach_shortening(model, [False] * 2, [False] * 2, auto, 90, 0.0, model.full, speedup=1.9)
+    kept, _ = reach_shortening(auto, 1.9, reach_of)
     assert kept is auto
 
 
