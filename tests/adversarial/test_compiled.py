@@ -60,14 +60,16 @@ class Graphs(Callback):
 
 
 def profiled(model: nn.Module, graphs: Graphs) -> ElasticTensorSelection:
-    """A short fit that profiles `model` for real (no given profile, no cache), at a speedup in reach whatever this
-    machine's timings (its forward pass measured at 98% of a step on a busy day)."""
+    """A short fit that profiles `model` for real (no given profile, no cache) on the profiler's ticking clock (the
+    `ticking_profiler` fixture): its timings follow the step's ops, so a speedup of 1.001 is in reach however busy
+    the machine (its forward pass was measured at 98% of a step on a busy day)."""
     callback = ElasticTensorSelection(speedup=1.001, probe_steps=2, calibrate=False, cache_dir=False)
     tiny_trainer(callbacks=[callback, graphs], max_steps=3).fit(model, tiny_data())  # type: ignore[arg-type]
     return callback
 
 
 @pytest.mark.parametrize("form", FORMS)
+@pytest.mark.usefixtures("ticking_profiler")
 def test_profiling_a_compiled_module_measures_the_eager_step_and_compiles_nothing(form: str) -> None:
     """Before: profiling compiled 9-10 graphs, its hooks timed dynamo's frames and one `CompiledFunctionBackward`
     node for the compiled part, and the profile's fingerprint was not the eager step's."""
