@@ -161,7 +161,8 @@ class ElasticTensorSelection(Callback):
         fit, profile = self._fit, self._profile
         if fit is None or profile is None:
             return fit_summary((), None, {}, (), (), self._speedup)
-        return fit_summary(fit.history, fit.plan, fit.totals, profile.names, profile.numel, self._speedup)
+        names, numel = profile.names, profile.numel
+        return fit_summary(fit.history, fit.plan, fit.totals, names, numel, self._speedup, self._probe_steps)
 
     def selection_map(self) -> np.ndarray | None:
         """The selection map of the current (or last) fit as an RGB image (H, W, 3); None before any selection."""

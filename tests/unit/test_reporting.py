@@ -69,6 +69,25 @@ def test_a_missed_speedup_says_why_and_what_to_change() -> None:
     assert within.shortfall == ""
 
 
+@pytest.mark.parametrize(
+    ("given", "reason"),
+    [
+        ({"probe_steps": 3}, "probe windows took 25% of the fit: set fewer `probe_steps`, or train longer"),
+        ({}, 'probe windows took 25% of the fit (sized by `probe_steps="auto"`, at least one step each): train longer'),
+        ({"probe_steps": "auto"}, "probe windows took 25% of the fit (sized by `probe_steps=\"auto\"`, at least one"),
+    ],
+    ids=["set to 3", "the default", "auto"],
+)
+def test_fewer_probe_steps_are_advised_only_when_the_user_set_them(given: dict[str, Any], reason: str) -> None:
+    """Under "auto" (the default) the user has no `probe_steps` to lower: the reason stays, the advice is what they
+    can do. Before: "set fewer `probe_steps`" whatever they had set."""
+    plan = WallClockPlan(speedup=2.0, total_steps=10, full_step=1.0, spent=8.0, steps_done=10, full_samples=2)
+    totals = {"probe_seconds": 2.0, "probe_steps": 2}
+    s = fit_summary([record([False, True, True], (0.5,))], plan, totals, NAMES, NUMEL, 2.0, **given)
+    assert s.fit_speedup == 1.25 and s.shortfall.startswith(reason)
+    assert ("`probe_steps`, or" in s.shortfall) == (given.get("probe_steps", "auto") != "auto")
+
+
 def test_no_fit_gives_not_a_number_and_no_verdict() -> None:
     s = fit_summary((), None, {}, (), (), target_speedup=2.0)
     assert s.selections == 0 and math.isnan(s.fit_speedup) and s.shortfall == "" and s.most_trained == ()
