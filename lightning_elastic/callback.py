@@ -161,7 +161,8 @@ class ElasticTensorSelection(Callback):
         fit, profile = self._fit, self._profile
         if fit is None or profile is None:
             return fit_summary((), None, {}, (), (), self._speedup)
-        return fit_summary(fit.history, fit.plan, fit.totals, profile.names, profile.numel, self._speedup)
+        names, numel = profile.names, profile.numel
+        return fit_summary(fit.history, fit.plan, fit.totals, names, numel, self._speedup, self._probe_steps)
 
     def selection_map(self) -> np.ndarray | None:
         """The selection map of the current (or last) fit as an RGB image (H, W, 3); None before any selection."""
@@ -347,23 +348,15 @@ class ElasticTensorSelection(Callback):
         apply_seconds = self._clock() - started - select_seconds
         record = SelectionRecord(trainer.global_step, trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
-        self._log_selection(trainer, record, select_seconds, terms.optimizer)
+        image = self.selection_map if self._log_images else lambda: None  # 6. inspect
+        reporting.log_selection(trainer, record, fit.plan, profile, (select_seconds, terms.optimizer), image)
 
     def _close_interval(self, trainer: L.Trainer, fit: FitSession) -> None:
         """The last selection's measured steps: into its record, into the plan's correction, to the loggers."""
         if (record := fit.close_interval()) is not None:
             reporting.log_metrics(trainer, reporting.interval_metrics(record, fit.plan, fit.allreduce))
 
-    # ------------------------------------------------------------------ 6. inspect
-
-    def _log_selection(self, trainer: L.Trainer, record: SelectionRecord, select_s: float, optimizer_s: float) -> None:
-        fit, profile = self._fit, self._profile
-        assert fit is not None and profile is not None
-        metrics = reporting.selection_metrics(record, fit.plan, profile.numel, select_s, optimizer_s)
-        reporting.log_metrics(trainer, metrics)
-        for writer in reporting.tensorboard_writers(trainer):
-            image = self.selection_map() if self._log_images else None
-            reporting.write_selection(writer, record, profile.names, trainer.global_step, image)
+    # ------------------------------------------------------------------ 6. inspect: the fit's summary
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -12,12 +12,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from types import CodeType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch._dynamo
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
-from torch._dynamo import convert_frame
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.records import Mask
@@ -173,6 +173,14 @@ def compiled_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+# The torch internals `CompiledCodes` reads (no public API tells which codes a fit compiled, nor resets one code).
+COMPILE_LOCK = "torch._dynamo.convert_frame.compile_lock"
+SEEN_CODES = "torch._dynamo.convert_frame.input_codes.seen"
+CACHE_ENTRIES = "torch._C._dynamo.eval_frame._debug_get_cache_entry_list"
+RESET_CODE = "torch._C._dynamo.eval_frame.reset_code"
+INTERNALS = (COMPILE_LOCK, SEEN_CODES, CACHE_ENTRIES, RESET_CODE)
+
+
 class CompiledCodes:
     """The code objects whose torch.compile cache this fit's steps filled, so that a new selection empties theirs only.
 
@@ -186,37 +194,69 @@ class CompiledCodes:
     all their entries: a compiled submodule runs through torch's one `wrap_inline` frame, which every compiled
     module without hooks shares, and a class's `training_step` is shared by its instances (docs/compatibility.md).
 
+    A torch without one of the `INTERNALS` this reads (`missing`) gets what is still correct: each reset is
+    `torch._dynamo.reset()`, with a warning (once) that names what is missing and what that costs.
+
     Example:
         >>> codes = CompiledCodes()
         >>> codes.collect()  # nothing compiled since: no code is the fit's
-        >>> codes.codes
-        set()
+        >>> codes.codes, codes.missing
+        (set(), ())
     """
 
     def __init__(self) -> None:
         self.codes: set[CodeType] = set()
-        self._entries = _cache_entries()
+        self.missing = tuple(name for name in INTERNALS if _internal(name) is None)
+        self._warned = False
+        self._entries = self._cache_entries()
 
     def watch(self) -> None:
         """The trainable set changed: what compiles from here until `collect` is this fit's."""
-        self._entries = _cache_entries()
+        self._entries = self._cache_entries()
 
     def collect(self) -> None:
         """Keep the codes that gained cache entries since `watch`."""
-        self.codes.update(code for code, n in _cache_entries().items() if n > self._entries.get(code, 0))
+        self.codes.update(code for code, n in self._cache_entries().items() if n > self._entries.get(code, 0))
 
     def reset(self) -> None:
         """Empty the caches of the fit's codes; the next step compiles them afresh (and is watched)."""
-        with convert_frame.compile_lock:  # as torch's own resets do: no compile runs meanwhile
+        if self.missing:
+            self._warn_fallback()
+            torch._dynamo.reset()
+            return
+        with _internal(COMPILE_LOCK):  # as torch's own resets do: no compile runs meanwhile
             for code in self.codes:
-                reset_code(code)
+                _internal(RESET_CODE)(code)
         self.watch()
 
+    def _cache_entries(self) -> dict[CodeType, int]:
+        """Every code object dynamo has seen, with the number of compiled entries in its cache (none known when
+        this torch lacks the internals)."""
+        if self.missing:
+            return {}
+        codes = (ref() for ref in _internal(SEEN_CODES))
+        return {code: len(_internal(CACHE_ENTRIES)(code)) for code in codes if code is not None}
 
-def _cache_entries() -> dict[CodeType, int]:
-    """Every code object dynamo has seen, with the number of compiled entries in its cache."""
-    codes = (ref() for ref in convert_frame.input_codes.seen)
-    return {code: len(_debug_get_cache_entry_list(code)) for code in codes if code is not None}
+    def _warn_fallback(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        rank_zero_warn(
+            f"ElasticTensorSelection: this torch ({torch.__version__}) lacks {', '.join(self.missing)}, with which a "
+            "change of the trainable set resets only the code the fit compiled. Each change resets all of dynamo "
+            "instead (`torch._dynamo.reset()`): the fit's graphs compile again as before, and so does every other "
+            "function or model compiled in this process, the next time it runs (see docs/compatibility.md)."
+        )
+
+
+def _internal(dotted: str) -> Any:
+    """The torch object at the dotted path `dotted`, or None when this torch has none there."""
+    found: Any = torch
+    for name in dotted.split(".")[1:]:
+        found = getattr(found, name, None)
+        if found is None:
+            return None
+    return found
 
 
 def is_compiled(model: nn.Module) -> bool:

@@ -7,10 +7,11 @@ this module only formats and writes them, on rank zero for TensorBoard and throu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -134,6 +135,22 @@ def write_selection(writer: Any, record: SelectionRecord, names: Sequence[str], 
     if image is not None:
         writer.add_image("elastic/selection", image, step, dataformats="HWC")
     writer.add_text("elastic/selection", selection_text(record, names), step)
+
+
+def log_selection(
+    trainer: L.Trainer,
+    record: SelectionRecord,
+    plan: WallClockPlan,
+    profile: TimingProfile,
+    seconds: tuple[float, float],
+    image: Callable[[], np.ndarray | None],
+) -> None:
+    """A selection's metrics to every logger (`seconds`: the selection's own and the optimizer step's), and its text
+    and selection map (`image`, drawn for each TensorBoard writer; None: none) to TensorBoard."""
+    metrics = selection_metrics(record, plan, profile.numel, *seconds)
+    log_metrics(trainer, metrics)
+    for writer in tensorboard_writers(trainer):
+        write_selection(writer, record, profile.names, trainer.global_step, image())
 
 
 def progress_metrics(probing: bool, mask: Mask | None) -> dict[str, float]:

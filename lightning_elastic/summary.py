@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -132,8 +132,10 @@ def fit_summary(
     names: Sequence[str],
     numel: Sequence[int],
     target_speedup: float,
+    probe_steps: int | Literal["auto"] = "auto",
 ) -> FitSummary:
-    """The `FitSummary` of a fit from its selection records, its plan and the callback's own seconds."""
+    """The `FitSummary` of a fit from its selection records, its plan and the callback's own seconds; `probe_steps` as
+    the user set it (what `shortfall` may advise)."""
     last = history[-1] if history else None
     selected = [s for r in history for s in r.measured_seconds]
     full = plan.full_step if plan is not None else math.nan
@@ -166,11 +168,16 @@ def fit_summary(
         most_trained=tuple((names[k], int(counts[k])) for k in top),
         shortfall="",
     )
-    return replace(summary, shortfall=shortfall(summary, history))
+    return replace(summary, shortfall=shortfall(summary, history, probe_steps))
 
 
-def shortfall(summary: FitSummary, history: Sequence[SelectionRecord]) -> str:
+def shortfall(
+    summary: FitSummary, history: Sequence[SelectionRecord], probe_steps: int | Literal["auto"] = "auto"
+) -> str:
     """Why `summary` misses its asked speedup, and what to change; empty when it meets it (or nothing was timed).
+
+    Only a setting the user chose is advised: fewer `probe_steps` when they set a number, not under "auto" (the
+    default), which already sizes the windows for the fit.
 
     Example:
         >>> s = fit_summary([], WallClockPlan(2.0, 100, 1.0, spent=80.0, steps_done=100), {"profile_seconds": 30.0},
@@ -190,9 +197,11 @@ def shortfall(summary: FitSummary, history: Sequence[SelectionRecord]) -> str:
             "with the profile cache on (`cache_dir`, the default) the next run on this device skips it"
         )
     if s.probe_seconds > 0.10 * s.spent_seconds:
+        took = f"probe windows took {s.probe_seconds / s.spent_seconds:.0%} of the fit"
         reasons.append(
-            f"probe windows took {s.probe_seconds / s.spent_seconds:.0%} of the fit: set fewer `probe_steps`, or "
-            "train longer"
+            f'{took} (sized by `probe_steps="auto"`, at least one step each): train longer'
+            if probe_steps == "auto"
+            else f"{took}: set fewer `probe_steps`, or train longer"
         )
     if any(r.decision.starved for r in history):
         reasons.append(

@@ -60,14 +60,16 @@ class Graphs(Callback):
 
 
 def profiled(model: nn.Module, graphs: Graphs) -> ElasticTensorSelection:
-    """A short fit that profiles `model` for real (no given profile, no cache), at a speedup in reach whatever this
-    machine's timings (its forward pass measured at 98% of a step on a busy day)."""
+    """A short fit that profiles `model` for real (no given profile, no cache) on the profiler's ticking clock (the
+    `ticking_profiler` fixture): its timings follow the step's ops, so a speedup of 1.001 is in reach however busy
+    the machine (its forward pass was measured at 98% of a step on a busy day)."""
     callback = ElasticTensorSelection(speedup=1.001, probe_steps=2, calibrate=False, cache_dir=False)
     tiny_trainer(callbacks=[callback, graphs], max_steps=3).fit(model, tiny_data())  # type: ignore[arg-type]
     return callback
 
 
 @pytest.mark.parametrize("form", FORMS)
+@pytest.mark.usefixtures("ticking_profiler")
 def test_profiling_a_compiled_module_measures_the_eager_step_and_compiles_nothing(form: str) -> None:
     """Before: profiling compiled 9-10 graphs, its hooks timed dynamo's frames and one `CompiledFunctionBackward`
     node for the compiled part, and the profile's fingerprint was not the eager step's."""
@@ -196,3 +198,32 @@ def test_a_compiled_fit_leaves_a_second_compiled_model_compiled() -> None:
     tiny_trainer(callbacks=[callback], max_steps=10).fit(model, tiny_data())  # type: ignore[arg-type]
     teacher(torch.ones(1, 3))
     assert counter.frame_count == 1 and callback.summary()["compiled_graphs"] == 4
+
+
+def test_a_torch_without_the_internals_of_a_partial_reset_resets_all_of_dynamo_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch that lacks `reset_code` (an internal a torch upgrade may remove): the compiled fit still compiles one
+    graph per change of the trainable set and trains only the selection, by resetting all of dynamo at each
+    selection; one warning says so, and the user's other compiled function pays for it (compiled again after the
+    fit's two resets, once). Before: the removal went unseen, with no warning."""
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.delattr(torch._C._dynamo.eval_frame, "reset_code")
+    counter = CompileCounter()
+    user_function = torch.compile(scale, backend=counter)
+    user_function(torch.ones(3))
+    model, module = compiled(FORMS[0])
+    callback = ElasticTensorSelection(
+        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=synthetic_profile(module), calibrate=False
+    )
+    graphs, recorder = Graphs(), Recorder()
+    trainer = tiny_trainer(callbacks=[callback, graphs, recorder], max_steps=10)
+    with pytest.warns(UserWarning, match=r"lacks torch\._C\._dynamo\.eval_frame\.reset_code, .* all of dynamo") as warned:
+        trainer.fit(model, tiny_data())  # type: ignore[arg-type]
+    assert sum("lacks torch._C._dynamo" in str(w.message) for w in warned) == 1
+    assert compiled_graphs() - graphs.at_fit_start == 4 and callback.summary()["compiled_graphs"] == 4
+    for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
+        assert all(t or not c for t, c in zip(trainable, changed, strict=True))  # only the selection trains
+    user_function(torch.ones(3))
+    assert counter.frame_count == 2

@@ -229,6 +229,7 @@ def test_a_first_step_that_raises_before_its_update_gives_the_model_back(raiser:
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
 
 
+@pytest.mark.usefixtures("ticking_profiler")  # profiled for real, at 1.001
 def test_a_checkpoint_whose_profile_covers_the_train_never_tensors_is_resumed_with_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -259,6 +260,7 @@ def test_a_checkpoint_whose_profile_covers_the_train_never_tensors_is_resumed_wi
     assert not any(step[k] for step in recorder.trainable for k in (0, 1))  # net.0.weight, net.0.bias: never
 
 
+@pytest.mark.usefixtures("ticking_profiler")  # profiled for real, at 1.001
 def test_a_checkpoint_of_a_fit_over_other_tensors_resumes_its_account_only(tmp_path: Path) -> None:
     """The checkpoint's fit froze `net.0` before profiling (8 tensors); the resumed fit trains all 10, so it profiles
     again and the checkpoint's per-tensor state (importance, mask, history) cannot apply: said, and left out, with

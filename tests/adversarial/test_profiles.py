@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,8 +13,6 @@ from torch import Tensor, nn
 
 from lightning_elastic import ElasticTensorSelection, TimingProfile
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling import runner
-from lightning_elastic.timing import DeviceClock
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 
@@ -26,17 +23,6 @@ def profiling(**kwargs: Any) -> ElasticTensorSelection:
     )
     settings.update(kwargs)
     return ElasticTensorSelection(**settings)
-
-
-@pytest.fixture
-def ticking_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The profiler's clock advances 1 ms a reading: its timings follow the step's ops, not this machine's load.
-
-    These tests are about what profiling runs on, not about timings; with real ones, a busy machine can time a
-    millisecond forward pass longer than the full step, and then refuse even a speedup of 1.05 as out of reach.
-    """
-    ticks = itertools.count()
-    monkeypatch.setattr(runner, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * 1e-3))
 
 
 class DtypeSeen(TinyNet):

@@ -77,6 +77,7 @@ def test_only_selected_tensors_train_and_selections_change() -> None:
     assert len(masks) >= 1
 
 
+@pytest.mark.usefixtures("ticking_profiler")  # profiled for real, at 1.05
 def test_probe_steps_are_ordinary_training_steps() -> None:
     """Until the first selection, training with the callback is bit-identical to training without it."""
     torch.manual_seed(1)

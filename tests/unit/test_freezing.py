@@ -1,9 +1,11 @@
+from functools import reduce
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import CompiledCodes, apply_bn_policy, apply_mask, match_patterns, pins
+from lightning_elastic.freezing import INTERNALS, CompiledCodes, apply_bn_policy, apply_mask, match_patterns, pins
 from lightning_elastic.records import Mask
 
 
@@ -95,3 +97,25 @@ def test_compiled_codes_reset_only_the_code_compiled_since_a_change() -> None:
     codes.reset()
     ours_compiled(x), theirs_compiled(x)
     assert (ours_count.frame_count, theirs_count.frame_count) == (2, 1)
+
+
+@pytest.mark.parametrize("missing", INTERNALS)
+def test_compiled_codes_without_a_torch_internal_reset_all_of_dynamo_and_say_so_once(
+    missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch upgrade that removes an internal `CompiledCodes` reads: no crash, each change still resets what the
+    fit compiled (all of dynamo: `torch._dynamo.reset()`, counted here), and one warning names what is missing and
+    what it costs. Before: an AttributeError inside the fit's step, or no reset at all."""
+    owner, _, name = missing.rpartition(".")
+    monkeypatch.delattr(reduce(getattr, owner.split(".")[1:], torch), name)
+    resets: list[int] = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))  # torch's own reads what was removed here
+    codes = CompiledCodes()
+    codes.collect()
+    with pytest.warns(UserWarning) as warned:
+        codes.reset()
+        codes.reset()
+    assert resets == [1, 1] and codes.missing == (missing,) and len(warned) == 1
+    assert str(warned[0].message).startswith(f"ElasticTensorSelection: this torch ({torch.__version__}) lacks {missing},")
+    assert "resets all of dynamo instead (`torch._dynamo.reset()`)" in str(warned[0].message)
+    assert "every other function or model compiled in this process" in str(warned[0].message)

@@ -1,15 +1,18 @@
 import json
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from lightning_elastic import reporting
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
 from lightning_elastic.reporting import (
     interval_metrics,
+    log_selection,
     progress_metrics,
     selection_metrics,
     start_message,
@@ -23,6 +26,8 @@ from lightning_elastic.time_model import StepTimeModel
 
 NAMES = ("stem.weight", "block.weight", "head.weight")
 NUMEL = (100, 300, 600)
+PROFILE = TimingProfile(names=NAMES, t_dw=(0.001,) * 3, t_dy=(0.002,) * 3, t_fw=0.004, t_full=0.0125,
+                        device="cpu", fingerprint="f", unused=(), method="measured", numel=NUMEL)
 
 
 def record(flags: list[bool], measured: tuple[float, ...], predicted: float = 0.5, starved: bool = False) -> SelectionRecord:
@@ -69,6 +74,25 @@ def test_a_missed_speedup_says_why_and_what_to_change() -> None:
     assert within.shortfall == ""
 
 
+@pytest.mark.parametrize(
+    ("given", "reason"),
+    [
+        ({"probe_steps": 3}, "probe windows took 25% of the fit: set fewer `probe_steps`, or train longer"),
+        ({}, 'probe windows took 25% of the fit (sized by `probe_steps="auto"`, at least one step each): train longer'),
+        ({"probe_steps": "auto"}, "probe windows took 25% of the fit (sized by `probe_steps=\"auto\"`, at least one"),
+    ],
+    ids=["set to 3", "the default", "auto"],
+)
+def test_fewer_probe_steps_are_advised_only_when_the_user_set_them(given: dict[str, Any], reason: str) -> None:
+    """Under "auto" (the default) the user has no `probe_steps` to lower: the reason stays, the advice is what they
+    can do. Before: "set fewer `probe_steps`" whatever they had set."""
+    plan = WallClockPlan(speedup=2.0, total_steps=10, full_step=1.0, spent=8.0, steps_done=10, full_samples=2)
+    totals = {"probe_seconds": 2.0, "probe_steps": 2}
+    s = fit_summary([record([False, True, True], (0.5,))], plan, totals, NAMES, NUMEL, 2.0, **given)
+    assert s.fit_speedup == 1.25 and s.shortfall.startswith(reason)
+    assert ("`probe_steps`, or" in s.shortfall) == (given.get("probe_steps", "auto") != "auto")
+
+
 def test_no_fit_gives_not_a_number_and_no_verdict() -> None:
     s = fit_summary((), None, {}, (), (), target_speedup=2.0)
     assert s.selections == 0 and math.isnan(s.fit_speedup) and s.shortfall == "" and s.most_trained == ()
@@ -81,15 +105,13 @@ def test_top_importance_is_tagged_by_name_and_skips_not_a_number() -> None:
 
 
 def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
-    prof = TimingProfile(names=NAMES, t_dw=(0.001,) * 3, t_dy=(0.002,) * 3, t_fw=0.004, t_full=0.0125,
-                         device="cpu", fingerprint="f", unused=(), method="measured", numel=NUMEL)
-    assert start_message(prof, 1.5, 240, Schedule(20, "step", 4, probe_every=3, first_probe_steps=6)) == (
+    assert start_message(PROFILE, 1.5, 240, Schedule(20, "step", 4, probe_every=3, first_probe_steps=6)) == (
         "ElasticTensorSelection: 3 tensors profiled on cpu (full forward+backward 12.5 ms, forward 4.0 ms); target "
         "speedup 1.5 for the fit's 240 optimizer steps; 6 probe steps before the first selection, 4 before every 3 "
         "of the selections every 20 step(s)"
     )
     assert "for the fit's steps (length unknown: planned per interval);" in start_message(
-        prof, 2.0, None, Schedule(1, "epoch", 4)
+        PROFILE, 2.0, None, Schedule(1, "epoch", 4)
     )
 
 
@@ -168,3 +190,31 @@ def test_a_selection_goes_to_tensorboard_as_histogram_top_tensors_map_and_text()
         ("add_text", "elastic/selection"),
     ]
     assert without.calls == [c for c in with_image.calls if c[0] != "add_image"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, metrics))
+
+
+def test_a_selection_is_logged_to_every_logger_and_drawn_for_each_tensorboard_writer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rec = record([False, True, True], ())
+    plan = WallClockPlan(2.0, 10, 1.0)
+    writers, loggers = [Writer(), Writer()], [Metrics(), Metrics()]
+    monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: writers)
+    trainer = SimpleNamespace(loggers=loggers, global_step=4)
+    drawn: list[int] = []
+    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01), lambda: drawn.append(1) or object())  # type: ignore[arg-type]
+    expected = selection_metrics(rec, plan, NUMEL, select_seconds=0.002, optimizer_seconds=0.01)
+    finite = {k: v for k, v in expected.items() if math.isfinite(v)}  # what every logger is given
+    assert all(logger.logged == [(4, finite)] for logger in loggers)
+    assert drawn == [1, 1] and all(("add_image", "elastic/selection") in w.calls for w in writers)
+    without = Writer()
+    monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: [without])
+    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01), lambda: None)  # type: ignore[arg-type]
+    assert ("add_text", "elastic/selection") in without.calls and not any(c[0] == "add_image" for c in without.calls)
