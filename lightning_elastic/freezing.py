@@ -234,8 +234,9 @@ class CompiledCodes:
         this torch lacks the internals)."""
         if self.missing:
             return {}
+        entries = _internal(CACHE_ENTRIES)  # looked up once, not once per code
         codes = (ref() for ref in _internal(SEEN_CODES))
-        return {code: len(_internal(CACHE_ENTRIES)(code)) for code in codes if code is not None}
+        return {code: len(entries(code)) for code in codes if code is not None}
 
     def _warn_fallback(self) -> None:
         if self._warned:
