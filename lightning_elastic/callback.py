@@ -196,10 +196,11 @@ class ElasticTensorSelection(Callback):
             announce_profiling(pl_module, first_step=True)
             self._first = FirstStep(pl_module.device, self._clock, self._clock() - started)  # see FirstStep
             return
+        profiled = prof is None
         if prof is None:
             announce_profiling(pl_module, first_step=False)
             prof = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir))
-        self._begin(trainer, pl_module, prof, self._clock() - started)
+        self._begin(trainer, pl_module, prof, self._clock() - started, profiled)
 
     def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:
         """The first step ran its forward and backward pass: profile on its batch, then begin before its update."""
@@ -210,16 +211,23 @@ class ElasticTensorSelection(Callback):
         self._first = None
         started = self._clock()
         prof = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir), first)
-        fit = self._begin(trainer, pl_module, prof, self._clock() - started + first.setup_seconds)
+        fit = self._begin(trainer, pl_module, prof, self._clock() - started + first.setup_seconds, profiled=True)
         fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
 
     def _begin(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile, profile_seconds: float
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prof: TimingProfile,
+        profile_seconds: float,
+        profiled: bool,
     ) -> FitSession:
         """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet).
 
         Its own seconds are charged with `profile_seconds` after a checkpoint's account is restored, which would
-        otherwise drop them: a resumed fit pays for its own start.
+        otherwise drop them: a resumed fit pays for its own start. A fit that did not profile (`profiled` False: a
+        cached, given or restored profile) starts in a cold process, whose first window may run on
+        (`FitSession.runs_on`).
         """
         started = self._clock()
         schedule, total_steps = self._schedule
@@ -228,6 +236,7 @@ class ElasticTensorSelection(Callback):
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
         fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
         self._fit = fit
+        fit.cold = not profiled
         limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
@@ -296,8 +305,9 @@ class ElasticTensorSelection(Callback):
         fit.after_optimizer_step()
         step = trainer.global_step
         if fit.probe_end is not None and step >= fit.probe_end:
-            fit.close_probe()
-            if fit.schedule.selects_at_epoch_start(step):
+            if fit.runs_on(step):
+                return
+            if fit.schedule.selects_at_epoch_start(fit.close_probe()):
                 fit.pending_selection = True
             else:
                 self._select_and_apply(trainer, pl_module)

@@ -25,6 +25,7 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
     return {
         "mask": None if fit.mask is None else list(fit.mask),
         "probe_end": fit.probe_end,
+        "ran_on": fit.ran_on,
         "pending_selection": fit.pending_selection,
         "importance": fit.evaluator.state_dict(),
         "latest": list(fit.latest),
@@ -55,6 +56,7 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
         fit.mask = Mask.of(mask)
         apply_mask(fit.params, fit.mask)
     fit.probe_end = state.get("probe_end")
+    fit.ran_on = int(state.get("ran_on", 0))
     fit.pending_selection = bool(state.get("pending_selection", False))
     if state.get("importance") is not None:
         fit.evaluator.load_state_dict(state["importance"])

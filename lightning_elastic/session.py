@@ -37,7 +37,7 @@ from lightning_elastic.records import Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
-from lightning_elastic.windows import WARMUP_STEPS
+from lightning_elastic.windows import WARMUP_STEPS, cold_window_runs_on, steady_samples
 
 # After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
 # re-plans at once, at most REPLANS times in a row (`FitSession.off_plan`).
@@ -90,6 +90,8 @@ class FitSession:
     graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
+    cold: bool = False  # this process did not profile this fit: its first window may still be warming up
+    ran_on: int = 0  # steps the first window ran on past its length (`runs_on`)
 
     @classmethod
     def start(
@@ -199,10 +201,28 @@ class FitSession:
             self.warming = self.warming or self.compiled or compiled_graphs() > self.graphs_at_start
             self.compiled_codes.watch()
 
-    def close_probe(self) -> None:
-        """The window's steady full steps measure `T` for the plan (none when all are warm-up steps)."""
+    def runs_on(self, step: int) -> bool:
+        """Whether the probe window ending at optimizer step `step` runs on one step more: the first window of a
+        process that did not profile this fit, while it is still warming up (`windows.cold_window_runs_on`)."""
+        if not self.cold or self.history or self.plan.full_samples:
+            return False
+        room = self.schedule.steps_to_next_change(step)
+        if not cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room):
+            return False
+        self.ran_on += 1
+        self.probe_end = step + 1
+        return True
+
+    def close_probe(self) -> int:
+        """The window's steady full steps measure `T` for the plan (none when all are warm-up steps); the step it was
+        scheduled to end at (before it ran on)."""
+        end = self.probe_end
+        assert end is not None
         self.probe_end = None
-        self.plan.observe_full_steps(self.probe_full)
+        first_cold = self.cold and not self.history and not self.plan.full_samples
+        samples = steady_samples(self.probe_full, self.plan.full_step) if first_cold else self.probe_full
+        self.plan.observe_full_steps(samples)
+        return end - self.ran_on if first_cold else end
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.

@@ -3,7 +3,8 @@
 A probe window trains every candidate tensor for a few ordinary steps, so that their importance is measured and its
 steps time the full step `T` of the wall-clock plan (`planner.WallClockPlan`). `plan_schedule` gives the fit its
 `Schedule`: with `probe_steps="auto"` windows cost a small share of the fit (`auto_probe_plan`), the first long
-enough to time steady steps after the process's warm-up steps when the fit can pay for it.
+enough to time steady steps after the process's warm-up steps when the fit can pay for it. In a process that did
+not profile this fit, that first window runs on while the process is still warming up (`cold_window_runs_on`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ PROBE_WINDOW = 4
 # at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came out 0.68-1.07 of
 # the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full steps more.
 FIRST_WINDOW, FIRST_WINDOW_SHARE = WARMUP_STEPS + 2, 0.10
+# A process that did not profile this fit (its profile came from the cache, the user or a checkpoint) can still be
+# warming up after WARMUP_STEPS: MiniLM on e-mails, a cached run's steps 5-6 took 0.86 s, 1.45x the profile's full
+# step (0.59 s), and a plain full fit's 0.77-0.80 s against 0.59-0.65 s from step 7 on; `T` came out 36% high and the
+# fit missed its speedup. So its first window runs on, a step at a time and at most COLD_STEPS steps, until
+# COLD_SAMPLES of its steady steps came within COLD_CEILING of the profile's full step; `T` is then those steps (all
+# of them when none came within: the device is slower than when profiled).
+COLD_CEILING, COLD_SAMPLES, COLD_STEPS = 1.2, 2, 3
 
 
 @dataclass(frozen=True)
@@ -143,3 +151,38 @@ def late_first_window(schedule: Schedule) -> str | None:
         f"{schedule.first_window_end} and the first selection comes there. Fewer than {period / 2:g} `probe_steps` "
         "select earlier."
     )
+
+
+def cold_window_runs_on(samples: list[float], profile_step: float, ran_on: int, room: float) -> bool:
+    """Whether the first window of a process that did not profile this fit runs on one step more (see COLD_STEPS).
+
+    Args:
+        samples: seconds of the window's steady full steps so far (after the warm-up steps).
+        profile_step: the profile's full step.
+        ran_on: steps the window already ran on past its length.
+        room: optimizer steps from now until the schedule changes the trainable set anyway.
+
+    Example:
+        >>> cold_window_runs_on([0.86, 0.86], profile_step=0.59, ran_on=0, room=40)  # still warming up
+        True
+        >>> cold_window_runs_on([0.86, 0.86, 0.60, 0.62], profile_step=0.59, ran_on=2, room=38)
+        False
+        >>> cold_window_runs_on([0.86, 0.86], profile_step=0.59, ran_on=0, room=6)  # the selection would not train
+        False
+    """
+    steady = sum(1 for s in samples if s <= COLD_CEILING * profile_step)
+    return bool(samples) and steady < COLD_SAMPLES and ran_on < COLD_STEPS and room > FIRST_WINDOW
+
+
+def steady_samples(samples: list[float], profile_step: float) -> list[float]:
+    """The samples of `T` of a first window that ran on (`cold_window_runs_on`): those within COLD_CEILING of the
+    profile's full step, or all of them when none is (the device is slower than when it was profiled).
+
+    Example:
+        >>> steady_samples([0.86, 0.86, 0.60, 0.62], profile_step=0.59)
+        [0.6, 0.62]
+        >>> steady_samples([0.77, 0.78, 0.76], profile_step=0.59)
+        [0.77, 0.78, 0.76]
+    """
+    steady = [s for s in samples if s <= COLD_CEILING * profile_step]
+    return steady or list(samples)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_elastic import ElasticTensorSelection, reporting, session
+from lightning_elastic import ElasticTensorSelection, reporting, session, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
@@ -86,6 +86,7 @@ def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: 
     re-plans the fit ends 10% off its own plan; re-planning after each selection's first 4 steps lands it. (Only the
     process's first step warms up here: more would leave the slow window out of `T`, as the next test shows.)"""
     monkeypatch.setattr(session, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(windows, "COLD_STEPS", 0)  # the slow window is not taken for a cold process's warm-up here
     window = 4
     settings: dict[str, Any] = dict(speedup=1.3, interval=80, interval_unit="step", probe_steps=window)
 
@@ -168,12 +169,42 @@ def test_the_default_first_window_times_steady_full_steps_so_the_fit_lands_whate
         warnings.filterwarnings("error", message=".*first window runs on.*")
         tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
     assert callback._fit is not None and callback._fit.schedule.first_window_end == session.WARMUP_STEPS + 2
-    assert callback.history[0].step == session.WARMUP_STEPS + 2
+    # a device slower than the profile by more than a cold process's ceiling: the window ran on, and then took them
+    ran_on = windows.COLD_STEPS if error > windows.COLD_CEILING else 0
+    assert callback.history[0].step == session.WARMUP_STEPS + 2 + ran_on
     assert [r.full_seconds for r in callback.history] == pytest.approx([error * PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     # on the asked speedup of a full fit at the steady step (the device's own also pays its slow first steps)
     assert 96 * error * PROFILE.t_full / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03), summary
     assert "no steady full step measured" not in callback.report().table()
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_warm(profiled: bool) -> None:
+    """A process with a cached or given profile warms up for longer than the warm-up steps (MiniLM: steps 5-6 at
+    1.45x the profile's full step, steady from step 7). Its first window runs on until 2 steady steps came within 1.2x
+    of the profile's step, and `T` is those steps, exactly the steady full step; the fit lands on the asked speedup.
+    A process that profiled this fit (the profiling passes warmed it) takes the window's steps as they come, as
+    before: there `T` is the slow steps' mean."""
+    device = VirtualDevice(1.0, slow=(session.WARMUP_STEPS + 2, 1.45))  # steps 0-5 slow, the first window's samples too
+    callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
+    original = callback._begin
+    if profiled:  # as if this fit had profiled in this process
+        callback._begin = lambda *args: original(*args[:-1], True)  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
+    fit = callback._fit
+    assert fit is not None and fit.cold is not profiled
+    if profiled:
+        assert fit.ran_on == 0 and callback.history[0].step == session.WARMUP_STEPS + 2
+        assert callback.history[0].full_seconds == pytest.approx(1.45 * PROFILE.t_full)
+        return
+    assert fit.ran_on == windows.COLD_SAMPLES and callback.history[0].step == session.WARMUP_STEPS + 2 + 2
+    assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full] * len(callback.history))
+    summary = callback.summary()
+    assert summary["probe_steps"] == fit.schedule.probe_steps_between(0, 96) + 2  # the two steps it ran on
+    # on the asked speedup of a full fit at the steady step (the device's own also pays its slow first steps)
+    assert 96 * PROFILE.t_full / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03), summary
 
 
 def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time(
