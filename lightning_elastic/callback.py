@@ -196,11 +196,11 @@ class ElasticTensorSelection(Callback):
             announce_profiling(pl_module, first_step=True)
             self._first = FirstStep(pl_module.device, self._clock, self._clock() - started)  # see FirstStep
             return
-        profiled = prof is None
+        timed = False
         if prof is None:
             announce_profiling(pl_module, first_step=False)
-            prof = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir))
-        self._begin(trainer, pl_module, prof, self._clock() - started, profiled)
+            prof, timed = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir))
+        self._begin(trainer, pl_module, prof, self._clock() - started, timed)
 
     def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:
         """The first step ran its forward and backward pass: profile on its batch, then begin before its update."""
@@ -210,8 +210,8 @@ class ElasticTensorSelection(Callback):
             return
         self._first = None
         started = self._clock()
-        prof = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir), first)
-        fit = self._begin(trainer, pl_module, prof, self._clock() - started + first.setup_seconds, profiled=True)
+        prof, timed = measure_profile(trainer, pl_module, self._time_model, resolve_cache_dir(self._cache_dir), first)
+        fit = self._begin(trainer, pl_module, prof, self._clock() - started + first.setup_seconds, timed)
         fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
 
     def _begin(
@@ -220,14 +220,13 @@ class ElasticTensorSelection(Callback):
         pl_module: L.LightningModule,
         prof: TimingProfile,
         profile_seconds: float,
-        profiled: bool,
+        timed: bool,
     ) -> FitSession:
         """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet).
 
         Its own seconds are charged with `profile_seconds` after a checkpoint's account is restored, which would
-        otherwise drop them: a resumed fit pays for its own start. A fit that did not profile (`profiled` False: a
-        cached, given or restored profile) starts in a cold process, whose first window may run on
-        (`FitSession.runs_on`).
+        otherwise drop them: a resumed fit pays for its own start. A process that did not time the profile (`timed`
+        False: a cached, given or restored one) is cold, and its first window may run on (`FitSession.runs_on`).
         """
         started = self._clock()
         schedule, total_steps = self._schedule
@@ -236,7 +235,7 @@ class ElasticTensorSelection(Callback):
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
         fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
         self._fit = fit
-        fit.cold = not profiled
+        fit.cold = not timed
         limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
@@ -305,7 +304,7 @@ class ElasticTensorSelection(Callback):
         fit.after_optimizer_step()
         step = trainer.global_step
         if fit.probe_end is not None and step >= fit.probe_end:
-            if fit.runs_on(step):
+            if fit.runs_on(trainer, step):
                 return
             if fit.schedule.selects_at_epoch_start(fit.close_probe()):
                 fit.pending_selection = True

@@ -201,17 +201,25 @@ class FitSession:
             self.warming = self.warming or self.compiled or compiled_graphs() > self.graphs_at_start
             self.compiled_codes.watch()
 
-    def runs_on(self, step: int) -> bool:
-        """Whether the probe window ending at optimizer step `step` runs on one step more: the first window of a
-        process that did not profile this fit, while it is still warming up (`windows.cold_window_runs_on`)."""
-        if not self.cold or self.history or self.plan.full_samples:
+    def runs_on(self, trainer: L.Trainer, step: int) -> bool:
+        """Whether the first probe window, ending at optimizer step `step`, runs on one step more: while a process
+        that did not time the profile (`cold`) is still warming up on any rank (`windows.cold_window_runs_on`). Every
+        rank votes, warm or cold, so that all run on alike and train the same tensors."""
+        if not self.in_first_window:
             return False
         room = self.schedule.steps_to_next_change(step)
-        if not cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room):
+        warming = self.cold and cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room)
+        votes = torch.tensor([float(warming)], dtype=torch.float64, device=self.params[0].device)
+        if float(trainer.strategy.reduce(votes, reduce_op="sum").item()) == 0.0:
             return False
         self.ran_on += 1
         self.probe_end = step + 1
         return True
+
+    @property
+    def in_first_window(self) -> bool:
+        """No selection yet and `T` not measured yet: the fit's first probe window (alike on every rank)."""
+        return not self.history and not self.plan.full_samples
 
     def close_probe(self) -> int:
         """The window's steady full steps measure `T` for the plan (none when all are warm-up steps); the step it was
@@ -219,10 +227,10 @@ class FitSession:
         end = self.probe_end
         assert end is not None
         self.probe_end = None
-        first_cold = self.cold and not self.history and not self.plan.full_samples
-        samples = steady_samples(self.probe_full, self.plan.full_step) if first_cold else self.probe_full
+        first = self.in_first_window
+        samples = steady_samples(self.probe_full, self.plan.full_step) if first and self.cold else self.probe_full
         self.plan.observe_full_steps(samples)
-        return end - self.ran_on if first_cold else end
+        return end - self.ran_on if first else end
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
@@ -28,7 +28,6 @@ from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
 from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.profiling.graph import StepSignature
-from lightning_elastic.profiling.passes import Progress
 from lightning_elastic.profiling.profile import (
     TimingMethod,
     TimingProfile,
@@ -38,7 +37,7 @@ from lightning_elastic.profiling.profile import (
 from lightning_elastic.profiling.runner import fingerprint, profile
 from lightning_elastic.timing import StepTimer
 
-__all__ = ["FirstStep", "measure_profile", "reusable_profile", "stale_reason"]
+__all__ = ["FirstStep", "Measured", "PhaseLines", "measure_profile", "reusable_profile", "stale_reason"]
 
 
 def reusable_profile(
@@ -85,7 +84,7 @@ def measure_profile(
     method: TimingMethod,
     cache_dir: Path | None,
     first: FirstStep | None = None,
-) -> TimingProfile:
+) -> Measured:
     """Profile the real training step on the first training batch (or read it from the cache).
 
     With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
@@ -94,19 +93,28 @@ def measure_profile(
     own for the key. The key must not depend on the shuffle: inputs whose shapes vary per batch (text padded to the
     longest in its batch) would key a shuffled batch's shapes, and the next run, or the check of a resume or a second
     fit (`stale_reason`, on the first batch), would profile again. So the key, and the shapes timed, are the first
-    batch's in every run.
+    batch's in every run. `Measured.timed` says whether this process ran the timing passes (which warm it up) or
+    read the cache.
     """
     batch = _first_batch(trainer)
     signature = None
     if first is not None and _shapes(first.batch) == _shapes(batch):
         batch, signature = first.batch, first.signature
+    phases = PhaseLines()
     with _training_step(trainer, pl_module, batch) as compute_loss:
         profiled = profile(
-            pl_module, compute_loss, method=method, cache_dir=cache_dir, progress=_phase_lines(), signature=signature
+            pl_module, compute_loss, method=method, cache_dir=cache_dir, progress=phases, signature=signature
         )
-    if trainer.world_size == 1:
-        return profiled
-    return TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))  # the same on every rank
+    if trainer.world_size > 1:  # the same profile on every rank; whether this process timed it is its own
+        profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
+    return Measured(profiled, phases.timed)
+
+
+class Measured(NamedTuple):
+    """`measure_profile`'s profile, and whether this process ran its timing passes (`timed`), or read the cache."""
+
+    profile: TimingProfile
+    timed: bool
 
 
 class FirstStep:
@@ -181,15 +189,18 @@ class FirstStep:
             self._module = None
 
 
-def _phase_lines(clock: Callable[[], float] = time.perf_counter) -> Progress:
-    """One rank-zero line as each profiling phase starts, with the seconds spent so far: a large model's profile
-    takes minutes, and says where it is."""
-    start = clock()
+class PhaseLines:
+    """One rank-zero line as each profiling phase starts, with the seconds spent so far (a large model's profile
+    takes minutes, and says where it is); and whether the timing passes ran (`timed`), which a cached profile skips."""
 
-    def announce(k: int, n: int, what: str) -> None:
-        rank_zero_info(f"ElasticTensorSelection: profiling, phase {k} of {n}: {what} ({clock() - start:.1f} s so far)")
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock, self.start, self.timed = clock, clock(), False
 
-    return announce
+    def __call__(self, k: int, n: int, what: str) -> None:
+        self.timed = self.timed or k >= 2  # phase 1 is the fingerprint, which a cached profile ends with
+        rank_zero_info(
+            f"ElasticTensorSelection: profiling, phase {k} of {n}: {what} ({self.clock() - self.start:.1f} s so far)"
+        )
 
 
 def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile) -> str | None:

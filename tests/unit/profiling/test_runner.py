@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
-from lightning_elastic.profiling.harness import _phase_lines
+from lightning_elastic.profiling.harness import PhaseLines
 from tests.unit.profiling.fakes import FakeClock, FakeLayer, FakeResidual, simulated_step, small
 
 
@@ -318,10 +318,12 @@ def test_each_phase_is_announced_once_and_a_cached_profile_ends_after_the_finger
 
 def test_the_fit_prints_one_line_per_profiling_phase(caplog: pytest.LogCaptureFixture) -> None:
     seconds = iter([10.0, 10.5, 14.0])
-    announce = _phase_lines(clock=lambda: next(seconds))
+    announce = PhaseLines(clock=lambda: next(seconds))
     with caplog.at_level(logging.INFO):
         announce(1, 3, "the step's fingerprint (one forward and backward pass)")
+        assert not announce.timed  # a cached profile ends here
         announce(2, 3, "6 instrumented passes")
+        assert announce.timed
     assert [r.getMessage() for r in caplog.records] == [
         "ElasticTensorSelection: profiling, phase 1 of 3: the step's fingerprint (one forward and backward pass) "
         "(0.5 s so far)",

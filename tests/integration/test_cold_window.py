@@ -1,0 +1,84 @@
+"""The first probe window of a process that did not profile runs on while it is warming up, alike on every rank."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_elastic import windows
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.schedule import Schedule
+from lightning_elastic.session import FitSession
+from tests.integration.tiny import TinyNet, synthetic_profile
+
+
+class OtherRanks:
+    """`strategy.reduce` of a 2-rank run whose other rank voted `other` (a sum over ranks)."""
+
+    def __init__(self, other: float) -> None:
+        self.other = other
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "sum"
+        return tensor + self.other
+
+
+def cold_session(samples: list[float]) -> FitSession:
+    module = TinyNet()
+    prof = synthetic_profile(module)
+    schedule = Schedule(30, "step", 4, first_probe_steps=6, total_steps=96)
+    plan = WallClockPlan(speedup=1.5, total_steps=96, full_step=prof.t_full)
+    fit = FitSession.start(module, prof, schedule, plan, (), "update", clock=lambda: 0.0)
+    fit.cold, fit.probe_end, fit.probe_full = True, 6, [s * prof.t_full for s in samples]
+    return fit
+
+
+@pytest.mark.parametrize(
+    ("mine", "other", "runs_on"),
+    [
+        ([1.45, 1.45], 0.0, True),  # this rank is warming up: every rank runs on
+        ([1.0, 1.02], 1.0, True),  # the other rank is: this one runs on with it, though warm
+        ([1.0, 1.02], 0.0, False),  # no rank is
+    ],
+)
+def test_every_rank_runs_on_when_any_rank_is_warming_up(mine: list[float], other: float, runs_on: bool) -> None:
+    fit = cold_session(mine)
+    trainer: Any = SimpleNamespace(strategy=OtherRanks(other))
+    assert fit.runs_on(trainer, 6) is runs_on
+    assert (fit.probe_end, fit.ran_on) == ((7, 1) if runs_on else (6, 0))
+
+
+class NoCollective:
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        raise AssertionError("only the first window votes")
+
+
+@pytest.mark.parametrize("other", [0.0, 1.0])
+def test_a_warm_process_votes_and_runs_on_only_with_a_warming_rank(other: float) -> None:
+    trainer: Any = SimpleNamespace(strategy=OtherRanks(other))
+    warm = cold_session([1.45, 1.45])  # slow steps, but it timed the profile: it does not vote to run on
+    warm.cold = False
+    assert warm.runs_on(trainer, 6) is bool(other)
+
+
+def test_no_window_after_the_first_votes_or_runs_on() -> None:
+    trainer: Any = SimpleNamespace(strategy=NoCollective())
+    measured = cold_session([1.45, 1.45])
+    measured.plan.full_samples = 2
+    assert not measured.runs_on(trainer, 6)
+
+
+def test_the_window_that_ran_on_gives_its_steady_steps_and_its_scheduled_end() -> None:
+    trainer: Any = SimpleNamespace(strategy=OtherRanks(0.0))
+    fit = cold_session([1.45, 1.45])
+    for step, sample in ((6, 1.0), (7, 1.1)):
+        assert fit.runs_on(trainer, step)
+        fit.probe_full.append(sample * fit.plan.full_step)
+    profile_step = fit.plan.full_step
+    assert not fit.runs_on(trainer, 8)  # two steady steps within the ceiling: warm
+    assert fit.close_probe() == 6 and fit.ran_on == 2
+    assert fit.plan.full_step == pytest.approx(1.05 * profile_step) and fit.plan.full_samples == 2
+    assert windows.COLD_SAMPLES == 2
