@@ -25,10 +25,21 @@ WARMUP_STEPS = 4
 PROBE_SHARE = 0.03
 # ... in windows of this many steps (shorter only when the fit is too short for one) ...
 PROBE_WINDOW = 4
-# ... but the first window runs past the process's warm-up steps to measure 2 steady full steps, whenever that costs
-# at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came out 0.68-1.07 of
-# the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full steps more.
-FIRST_WINDOW, FIRST_WINDOW_SHARE = WARMUP_STEPS + 2, 0.10
+# ... but the first window runs past the process's warm-up steps to measure FIRST_STEADY_STEPS steady full steps,
+# whenever that costs at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came
+# out 0.68-1.07 of the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full
+# steps more. (`first_window()` reads WARMUP_STEPS when called: a test that patches it here patches every reader.)
+FIRST_STEADY_STEPS, FIRST_WINDOW_SHARE = 2, 0.10
+
+
+def first_window() -> int:
+    """Optimizer steps of the first probe window that measures `T`: the process's warm-up steps, then steady ones.
+
+    Example:
+        >>> first_window()
+        6
+    """
+    return WARMUP_STEPS + FIRST_STEADY_STEPS
 
 
 @dataclass(frozen=True)
@@ -55,10 +66,10 @@ def auto_probe_plan(
     A probe step costs a full step `T` where a selected step costs about `T / s`, so `P` probe steps in a fit of
     `N` steps add `P * (1 - 1 / s) * T` to a plan of `N * T / s`: a share of `P * (s - 1) / N`. Windows of
     `PROBE_WINDOW` steps (fewer when even one would exceed the share, or fill the `period` between two selections),
-    as many as the share allows, spread evenly over the selections. The first window is `FIRST_WINDOW` steps long
+    as many as the share allows, spread evenly over the selections. The first window is `first_window()` steps long
     when that costs at most `FIRST_WINDOW_SHARE` and leaves the first selection at least as many steps to train,
     before the next selection and the fit's end (its steps come out of the share). A fit whose epoch length is
-    unknown probes before every selection; if its length is unknown too, its first window is `FIRST_WINDOW` long.
+    unknown probes before every selection; if its length is unknown too, its first window is `first_window()` long.
 
     Example:
         >>> auto_probe_plan(total_steps=600, selections=10, speedup=2.0)
@@ -66,16 +77,17 @@ def auto_probe_plan(
         >>> auto_probe_plan(total_steps=90, selections=2, speedup=3.0)  # 6 steps would be 13% of the fit
         ProbePlan(steps=1, every=2, first=1)
     """
+    window = first_window()
     longest = PROBE_WINDOW if math.isinf(period) else min(PROBE_WINDOW, int(period) - 1)
     if total_steps is None:
-        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if period > 2 * FIRST_WINDOW else longest)
+        return ProbePlan(steps=longest, every=1, first=window if period > 2 * window else longest)
     scale = total_steps / max(speedup - 1.0, 1e-9)  # probe steps per unit of share
     allowed = PROBE_SHARE * scale
     steps = max(1, min(longest, math.floor(allowed)))
-    room = min(period, total_steps) > 2 * FIRST_WINDOW  # the first selection trains at least as long as its window
-    first = FIRST_WINDOW if room and FIRST_WINDOW_SHARE * scale >= FIRST_WINDOW else steps
+    room = min(period, total_steps) > 2 * window  # the first selection trains at least as long as its window
+    first = window if room and FIRST_WINDOW_SHARE * scale >= window else steps
     if selections is None:  # epoch length unknown: a window before every selection
-        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if first == FIRST_WINDOW else longest)
+        return ProbePlan(steps=longest, every=1, first=window if first == window else longest)
     windows = 1 + math.floor(max(0.0, allowed - max(first, steps)) / steps)
     return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)), first=max(first, steps))
 

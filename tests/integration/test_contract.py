@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_elastic import ElasticTensorSelection, reporting, session
+from lightning_elastic import ElasticTensorSelection, reporting, session, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
@@ -85,7 +85,7 @@ def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: 
     high, by more for small selections than for large ones: no one correction fits every selection. Without
     re-plans the fit ends 10% off its own plan; re-planning after each selection's first 4 steps lands it. (Only the
     process's first step warms up here: more would leave the slow window out of `T`, as the next test shows.)"""
-    monkeypatch.setattr(session, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(windows, "WARMUP_STEPS", 1)
     window = 4
     settings: dict[str, Any] = dict(speedup=1.3, interval=80, interval_unit="step", probe_steps=window)
 
@@ -121,7 +121,7 @@ def test_the_first_steps_of_a_process_are_charged_but_never_taken_for_step_time(
     after them, exactly the steady ones, and the fit lands on the asked speedup of what training every tensor cost
     (first steps included)."""
     settings: dict[str, Any] = dict(speedup=1.5, interval=8, interval_unit="step", probe_steps=3)
-    device = VirtualDevice(1.0, slow=(session.WARMUP_STEPS, factor))
+    device = VirtualDevice(1.0, slow=(windows.WARMUP_STEPS, factor))
     callback = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
     torch.manual_seed(0)
     tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
@@ -142,11 +142,11 @@ def test_a_first_window_of_warm_up_steps_only_still_plans_the_whole_fit(error: f
     measured, so `T` stays the profile's. The plan still steers every selection (before, the targets stayed `T / s`
     with no account and no correction), so the fit ends on its own plan whatever the time model's error, and with
     the time model right on the asked speedup of the whole full fit."""
-    device = VirtualDevice(error, slow=(session.WARMUP_STEPS, 1.6))
+    device = VirtualDevice(error, slow=(windows.WARMUP_STEPS, 1.6))
     callback = ElasticTensorSelection(speedup=1.5, interval=8, interval_unit="step", profile=PROFILE, clock=device.clock)
     torch.manual_seed(0)
     tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
-    assert callback._fit is not None and callback._fit.schedule.probe_steps_between(0, 96) == session.WARMUP_STEPS
+    assert callback._fit is not None and callback._fit.schedule.probe_steps_between(0, 96) == windows.WARMUP_STEPS
     assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
@@ -155,20 +155,26 @@ def test_a_first_window_of_warm_up_steps_only_still_plans_the_whole_fit(error: f
     assert "no steady full step measured" in callback.report().table()
 
 
+@pytest.mark.parametrize("warmup", [windows.WARMUP_STEPS, 2], ids=("shipped warm-up", "2 warm-up steps"))
 @pytest.mark.parametrize("error", [0.7, 1.3])
-def test_the_default_first_window_times_steady_full_steps_so_the_fit_lands_whatever_the_profile(error: float) -> None:
+def test_the_default_first_window_times_steady_full_steps_so_the_fit_lands_whatever_the_profile(
+    error: float, warmup: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The auto first window runs 2 steps past the process's warm-up steps (1.6x slow here) when the fit can pay
     for them: `T` is then the steady full step measured (`error` x the profile's), not the profile's, from the first
     selection on, and the fit lands on the asked speedup of the whole full fit. With the previous test's 4-step
-    window (all warm-up) it only lands on its own plan, off by `error`. No warning that the window runs on."""
-    device = VirtualDevice(error, slow=(session.WARMUP_STEPS, 1.6))
+    window (all warm-up) it only lands on its own plan, off by `error`. No warning that the window runs on. The
+    warm-up count set in its one place (`windows.WARMUP_STEPS`) moves the window and the steps kept out of `T`
+    together (before, the first window's length was fixed as `windows` was imported: 6 steps with 2 warm-up ones)."""
+    monkeypatch.setattr(windows, "WARMUP_STEPS", warmup)
+    device = VirtualDevice(error, slow=(windows.WARMUP_STEPS, 1.6))
     callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*first window runs on.*")
         tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
-    assert callback._fit is not None and callback._fit.schedule.first_window_end == session.WARMUP_STEPS + 2
-    assert callback.history[0].step == session.WARMUP_STEPS + 2
+    assert callback._fit is not None and callback._fit.schedule.first_window_end == warmup + 2
+    assert callback.history[0].step == warmup + 2
     assert [r.full_seconds for r in callback.history] == pytest.approx([error * PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     # on the asked speedup of a full fit at the steady step (the device's own also pays its slow first steps)
