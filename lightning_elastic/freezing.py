@@ -8,11 +8,12 @@ parameters keeps its state for the whole run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from types import CodeType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch._dynamo
@@ -24,6 +25,7 @@ from lightning_elastic.records import Mask
 
 BnPolicy = Literal["update", "freeze"]
 BN_POLICIES: tuple[str, ...] = ("update", "freeze")
+T = TypeVar("T")
 
 
 def match_patterns(names: Sequence[str], patterns: Iterable[str], setting: str) -> tuple[bool, ...]:
@@ -179,6 +181,21 @@ SEEN_CODES = "torch._dynamo.convert_frame.input_codes.seen"
 CACHE_ENTRIES = "torch._C._dynamo.eval_frame._debug_get_cache_entry_list"
 RESET_CODE = "torch._C._dynamo.eval_frame.reset_code"
 INTERNALS = (COMPILE_LOCK, SEEN_CODES, CACHE_ENTRIES, RESET_CODE)
+# What using an internal raises when a torch upgrade changed its signature or behaviour.
+CHANGED = (TypeError, AttributeError, RuntimeError)
+
+
+class InternalFailed(Exception):
+    """One of the `INTERNALS` raised one of `CHANGED` when `CompiledCodes` used it.
+
+    Attributes:
+        internal: the internal's dotted path.
+        error: what it raised.
+    """
+
+    def __init__(self, internal: str, error: Exception) -> None:
+        super().__init__(f"{internal} raised {type(error).__name__}: {error}")
+        self.internal, self.error = internal, error
 
 
 class CompiledCodes:
@@ -194,19 +211,22 @@ class CompiledCodes:
     all their entries: a compiled submodule runs through torch's one `wrap_inline` frame, which every compiled
     module without hooks shares, and a class's `training_step` is shared by its instances (docs/compatibility.md).
 
-    A torch without one of the `INTERNALS` this reads (`missing`) gets what is still correct: each reset is
-    `torch._dynamo.reset()`, with a warning (once) that names what is missing and what that costs.
+    A torch without one of the `INTERNALS` this reads (`missing`), or whose internal raises one of `CHANGED` when
+    used (`failed`: its signature or behaviour changed), gets what is still correct: each reset from then on is
+    `torch._dynamo.reset()`, with a warning (once) that names the internal, what failed and what that costs. Any
+    other error, and any error outside the internals' use, propagates.
 
     Example:
         >>> codes = CompiledCodes()
         >>> codes.collect()  # nothing compiled since: no code is the fit's
-        >>> codes.codes, codes.missing
-        (set(), ())
+        >>> codes.codes, codes.missing, codes.failed
+        (set(), (), None)
     """
 
     def __init__(self) -> None:
         self.codes: set[CodeType] = set()
         self.missing = tuple(name for name in INTERNALS if _internal(name) is None)
+        self.failed: InternalFailed | None = None
         self._warned = False
         self._entries = self._cache_entries()
 
@@ -220,34 +240,63 @@ class CompiledCodes:
 
     def reset(self) -> None:
         """Empty the caches of the fit's codes; the next step compiles them afresh (and is watched)."""
-        if self.missing:
-            self._warn_fallback()
-            torch._dynamo.reset()
+        if self._reset_codes():
+            self.watch()
             return
-        with _internal(COMPILE_LOCK):  # as torch's own resets do: no compile runs meanwhile
-            for code in self.codes:
-                _internal(RESET_CODE)(code)
-        self.watch()
+        self._warn_fallback()
+        torch._dynamo.reset()
+
+    def _reset_codes(self) -> bool:
+        """Reset only the fit's codes; False when this torch cannot (an internal missing or failing)."""
+        if self.missing or self.failed:
+            return False
+        try:
+            with ExitStack() as locked:  # as torch's own resets do: no compile runs meanwhile
+                _use(COMPILE_LOCK, locked.enter_context, _internal(COMPILE_LOCK))
+                reset_code = _internal(RESET_CODE)
+                for code in self.codes:
+                    _use(RESET_CODE, reset_code, code)
+        except InternalFailed as failed:
+            self.failed = failed
+            return False
+        return True
 
     def _cache_entries(self) -> dict[CodeType, int]:
         """Every code object dynamo has seen, with the number of compiled entries in its cache (none known when
-        this torch lacks the internals)."""
-        if self.missing:
+        this torch lacks the internals, or one failed)."""
+        if self.missing or self.failed:
             return {}
         entries = _internal(CACHE_ENTRIES)  # looked up once, not once per code
-        codes = (ref() for ref in _internal(SEEN_CODES))
-        return {code: len(entries(code)) for code in codes if code is not None}
+        try:
+            codes = _use(SEEN_CODES, lambda seen: [ref() for ref in seen], _internal(SEEN_CODES))
+            return {code: _use(CACHE_ENTRIES, lambda c: len(entries(c)), code) for code in codes if code is not None}
+        except InternalFailed as failed:
+            self.failed = failed
+            return {}
 
     def _warn_fallback(self) -> None:
         if self._warned:
             return
         self._warned = True
+        if self.failed is None:
+            cannot = f"lacks {', '.join(self.missing)}, with which"
+        else:
+            cannot = f"has {self.failed.internal}, but using it raised {type(self.failed.error).__name__}: "
+            cannot += f"{self.failed.error} (its signature or behaviour changed); with it"
         rank_zero_warn(
-            f"ElasticTensorSelection: this torch ({torch.__version__}) lacks {', '.join(self.missing)}, with which a "
-            "change of the trainable set resets only the code the fit compiled. Each change resets all of dynamo "
-            "instead (`torch._dynamo.reset()`): the fit's graphs compile again as before, and so does every other "
-            "function or model compiled in this process, the next time it runs (see docs/compatibility.md)."
+            f"ElasticTensorSelection: this torch ({torch.__version__}) {cannot} a change of the trainable set resets "
+            "only the code the fit compiled. Each change resets all of dynamo instead (`torch._dynamo.reset()`): the "
+            "fit's graphs compile again as before, and so does every other function or model compiled in this "
+            "process, the next time it runs (see docs/compatibility.md)."
         )
+
+
+def _use(internal: str, function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)`, a use of `internal`: what it raises of `CHANGED` as `InternalFailed`, the rest as it is."""
+    try:
+        return function(*args)
+    except CHANGED as error:
+        raise InternalFailed(internal, error) from error
 
 
 def _internal(dotted: str) -> Any:

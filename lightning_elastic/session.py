@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import (
@@ -37,7 +38,7 @@ from lightning_elastic.records import Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
-from lightning_elastic.windows import WARMUP_STEPS, cold_window_runs_on, steady_samples
+from lightning_elastic.windows import cold_window_runs_on, steady_samples
 
 # After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
 # re-plans at once, at most REPLANS times in a row (`FitSession.off_plan`).
@@ -86,11 +87,11 @@ class FitSession:
     warned_starved: bool = False
     warned_nonfinite: bool = False
     warming: bool = False  # the next step is the first with a new trainable set of a compiled module: not a sample
-    steps_timed: int = 0  # optimizer steps this session measured (in this process): the first WARMUP_STEPS warm up
+    steps_timed: int = 0  # optimizer steps this session measured (in this process): the first few warm up (`windows`)
     graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
-    cold: bool = False  # this process did not profile this fit: its first window may still be warming up
+    cold: bool = False  # this process did not time its profile (a cached one): its first window may still warm up
     ran_on: int = 0  # steps the first window ran on past its length (`runs_on`)
 
     @classmethod
@@ -275,7 +276,7 @@ class FitSession:
             self.totals["probe_steps"] += 1
         if self.warming or self.steps_timed == 1:  # what the fit's first step, or a new set's, compiled is the fit's
             self.compiled_codes.collect()
-        if self.warming or self.steps_timed <= WARMUP_STEPS:
+        if self.warming or self.steps_timed <= windows.WARMUP_STEPS:
             # One of the process's first steps, or the first step with a new trainable set of a compiled module
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time
             # that `T` and the correction read.

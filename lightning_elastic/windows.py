@@ -26,17 +26,28 @@ WARMUP_STEPS = 4
 PROBE_SHARE = 0.03
 # ... in windows of this many steps (shorter only when the fit is too short for one) ...
 PROBE_WINDOW = 4
-# ... but the first window runs past the process's warm-up steps to measure 2 steady full steps, whenever that costs
-# at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came out 0.68-1.07 of
-# the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full steps more.
-FIRST_WINDOW, FIRST_WINDOW_SHARE = WARMUP_STEPS + 2, 0.10
-# A process that did not profile this fit (its profile came from the cache, the user or a checkpoint) can still be
-# warming up after WARMUP_STEPS: MiniLM on e-mails, a cached run's steps 5-6 took 0.86 s, 1.45x the profile's full
+# ... but the first window runs past the process's warm-up steps to measure FIRST_STEADY_STEPS steady full steps,
+# whenever that costs at most FIRST_WINDOW_SHARE of the planned fit. Without them `T` is the profile's pass, which came
+# out 0.68-1.07 of the full runs' step over 12 MiniLM runs (the fit lands off its speedup by as much), for 2-4 full
+# steps more. (`first_window()` reads WARMUP_STEPS when called: a test that patches it here patches every reader.)
+FIRST_STEADY_STEPS, FIRST_WINDOW_SHARE = 2, 0.10
+# A process that did not time its profile (it came from the cache, the user or a checkpoint) can still be warming
+# up after WARMUP_STEPS: MiniLM on e-mails, a cached run's steps 5-6 took 0.86 s, 1.45x the profile's full
 # step (0.59 s), and a plain full fit's 0.77-0.80 s against 0.59-0.65 s from step 7 on; `T` came out 36% high and the
 # fit missed its speedup. So its first window runs on, a step at a time and at most COLD_STEPS steps, until
 # COLD_SAMPLES of its steady steps came within COLD_CEILING of the profile's full step; `T` is then those steps (all
 # of them when none came within: the device is slower than when profiled).
 COLD_CEILING, COLD_SAMPLES, COLD_STEPS = 1.2, 2, 3
+
+
+def first_window() -> int:
+    """Optimizer steps of the first probe window that measures `T`: the process's warm-up steps, then steady ones.
+
+    Example:
+        >>> first_window()
+        6
+    """
+    return WARMUP_STEPS + FIRST_STEADY_STEPS
 
 
 @dataclass(frozen=True)
@@ -63,10 +74,10 @@ def auto_probe_plan(
     A probe step costs a full step `T` where a selected step costs about `T / s`, so `P` probe steps in a fit of
     `N` steps add `P * (1 - 1 / s) * T` to a plan of `N * T / s`: a share of `P * (s - 1) / N`. Windows of
     `PROBE_WINDOW` steps (fewer when even one would exceed the share, or fill the `period` between two selections),
-    as many as the share allows, spread evenly over the selections. The first window is `FIRST_WINDOW` steps long
+    as many as the share allows, spread evenly over the selections. The first window is `first_window()` steps long
     when that costs at most `FIRST_WINDOW_SHARE` and leaves the first selection at least as many steps to train,
     before the next selection and the fit's end (its steps come out of the share). A fit whose epoch length is
-    unknown probes before every selection; if its length is unknown too, its first window is `FIRST_WINDOW` long.
+    unknown probes before every selection; if its length is unknown too, its first window is `first_window()` long.
 
     Example:
         >>> auto_probe_plan(total_steps=600, selections=10, speedup=2.0)
@@ -74,16 +85,17 @@ def auto_probe_plan(
         >>> auto_probe_plan(total_steps=90, selections=2, speedup=3.0)  # 6 steps would be 13% of the fit
         ProbePlan(steps=1, every=2, first=1)
     """
+    window = first_window()
     longest = PROBE_WINDOW if math.isinf(period) else min(PROBE_WINDOW, int(period) - 1)
     if total_steps is None:
-        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if period > 2 * FIRST_WINDOW else longest)
+        return ProbePlan(steps=longest, every=1, first=window if period > 2 * window else longest)
     scale = total_steps / max(speedup - 1.0, 1e-9)  # probe steps per unit of share
     allowed = PROBE_SHARE * scale
     steps = max(1, min(longest, math.floor(allowed)))
-    room = min(period, total_steps) > 2 * FIRST_WINDOW  # the first selection trains at least as long as its window
-    first = FIRST_WINDOW if room and FIRST_WINDOW_SHARE * scale >= FIRST_WINDOW else steps
+    room = min(period, total_steps) > 2 * window  # the first selection trains at least as long as its window
+    first = window if room and FIRST_WINDOW_SHARE * scale >= window else steps
     if selections is None:  # epoch length unknown: a window before every selection
-        return ProbePlan(steps=longest, every=1, first=FIRST_WINDOW if first == FIRST_WINDOW else longest)
+        return ProbePlan(steps=longest, every=1, first=window if first == window else longest)
     windows = 1 + math.floor(max(0.0, allowed - max(first, steps)) / steps)
     return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)), first=max(first, steps))
 
@@ -154,7 +166,7 @@ def late_first_window(schedule: Schedule) -> str | None:
 
 
 def cold_window_runs_on(samples: list[float], profile_step: float, ran_on: int, room: float) -> bool:
-    """Whether the first window of a process that did not profile this fit runs on one step more (see COLD_STEPS).
+    """Whether the first window of a process that did not time its profile runs on one step more (see COLD_STEPS).
 
     Args:
         samples: seconds of the window's steady full steps so far (after the warm-up steps).
@@ -171,7 +183,7 @@ def cold_window_runs_on(samples: list[float], profile_step: float, ran_on: int, 
         False
     """
     steady = sum(1 for s in samples if s <= COLD_CEILING * profile_step)
-    return bool(samples) and steady < COLD_SAMPLES and ran_on < COLD_STEPS and room > FIRST_WINDOW
+    return bool(samples) and steady < COLD_SAMPLES and ran_on < COLD_STEPS and room > first_window()
 
 
 def steady_samples(samples: list[float], profile_step: float) -> list[float]:

@@ -4,6 +4,9 @@ compiled autograd enabled around the fit is refused."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from functools import reduce
 from typing import Any
 
 import lightning as L
@@ -15,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import compiled_graphs
+from lightning_elastic.freezing import CACHE_ENTRIES, RESET_CODE, compiled_graphs
 from tests.integration.test_callback import Recorder, elastic
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
@@ -200,16 +203,13 @@ def test_a_compiled_fit_leaves_a_second_compiled_model_compiled() -> None:
     assert counter.frame_count == 1 and callback.summary()["compiled_graphs"] == 4
 
 
-def test_a_torch_without_the_internals_of_a_partial_reset_resets_all_of_dynamo_with_one_warning(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A torch that lacks `reset_code` (an internal a torch upgrade may remove): the compiled fit still compiles one
-    graph per change of the trainable set and trains only the selection, by resetting all of dynamo at each
-    selection; one warning says so, and the user's other compiled function pays for it (compiled again after the
-    fit's two resets, once). Before: the removal went unseen, with no warning."""
+def fit_resetting_all_of_dynamo(warning: str) -> None:
+    """A compiled fit on a torch whose partial reset is out of use: it still compiles one graph per change of the
+    trainable set and trains only the selection, by resetting all of dynamo at each selection; one warning (matching
+    `warning`) says so, and the user's other compiled function pays for it (compiled again after the fit's two
+    resets, once)."""
     from torch._dynamo.testing import CompileCounter
 
-    monkeypatch.delattr(torch._C._dynamo.eval_frame, "reset_code")
     counter = CompileCounter()
     user_function = torch.compile(scale, backend=counter)
     user_function(torch.ones(3))
@@ -219,11 +219,40 @@ def test_a_torch_without_the_internals_of_a_partial_reset_resets_all_of_dynamo_w
     )
     graphs, recorder = Graphs(), Recorder()
     trainer = tiny_trainer(callbacks=[callback, graphs, recorder], max_steps=10)
-    with pytest.warns(UserWarning, match=r"lacks torch\._C\._dynamo\.eval_frame\.reset_code, .* all of dynamo") as warned:
+    with pytest.warns(UserWarning, match=warning) as warned:
         trainer.fit(model, tiny_data())  # type: ignore[arg-type]
-    assert sum("lacks torch._C._dynamo" in str(w.message) for w in warned) == 1
+    assert sum("resets all of dynamo instead" in str(w.message) for w in warned) == 1
     assert compiled_graphs() - graphs.at_fit_start == 4 and callback.summary()["compiled_graphs"] == 4
     for trainable, changed in zip(recorder.trainable, recorder.changed, strict=True):
         assert all(t or not c for t, c in zip(trainable, changed, strict=True))  # only the selection trains
     user_function(torch.ones(3))
     assert counter.frame_count == 2
+
+
+def test_a_torch_without_the_internals_of_a_partial_reset_resets_all_of_dynamo_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch that lacks `reset_code` (an internal a torch upgrade may remove). Before: the removal went unseen,
+    with no warning."""
+    monkeypatch.delattr(torch._C._dynamo.eval_frame, "reset_code")
+    fit_resetting_all_of_dynamo(r"lacks torch\._C\._dynamo\.eval_frame\.reset_code, .* all of dynamo")
+
+
+@pytest.mark.parametrize(
+    ("internal", "changed"),
+    [
+        (RESET_CODE, lambda code, flags: None),  # the fit's first reset calls it
+        (CACHE_ENTRIES, lambda: []),  # called as the fit starts, to know what was compiled before
+    ],
+    ids=("reset_code", "_debug_get_cache_entry_list"),
+)
+def test_a_torch_internal_of_another_signature_resets_all_of_dynamo_with_one_warning(
+    internal: str, changed: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch upgrade that keeps an internal of the partial reset but changes its signature: the compiled fit
+    completes on the fallback of a missing internal, and its warning names the internal and what it raised.
+    Before: the fit crashed with the internal's TypeError."""
+    owner, _, name = internal.rpartition(".")
+    monkeypatch.setattr(reduce(getattr, owner.split(".")[1:], torch), name, changed)
+    raised = r"positional argument|takes 0 positional arguments but 1 was given"
+    fit_resetting_all_of_dynamo(rf"has {re.escape(internal)}, but using it raised TypeError: .*({raised}).* all of dyn")

@@ -85,7 +85,7 @@ def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: 
     high, by more for small selections than for large ones: no one correction fits every selection. Without
     re-plans the fit ends 10% off its own plan; re-planning after each selection's first 4 steps lands it. (Only the
     process's first step warms up here: more would leave the slow window out of `T`, as the next test shows.)"""
-    monkeypatch.setattr(session, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(windows, "WARMUP_STEPS", 1)
     monkeypatch.setattr(windows, "COLD_STEPS", 0)  # the slow window is not taken for a cold process's warm-up here
     window = 4
     settings: dict[str, Any] = dict(speedup=1.3, interval=80, interval_unit="step", probe_steps=window)
@@ -122,7 +122,7 @@ def test_the_first_steps_of_a_process_are_charged_but_never_taken_for_step_time(
     after them, exactly the steady ones, and the fit lands on the asked speedup of what training every tensor cost
     (first steps included)."""
     settings: dict[str, Any] = dict(speedup=1.5, interval=8, interval_unit="step", probe_steps=3)
-    device = VirtualDevice(1.0, slow=(session.WARMUP_STEPS, factor))
+    device = VirtualDevice(1.0, slow=(windows.WARMUP_STEPS, factor))
     callback = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
     torch.manual_seed(0)
     tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
@@ -143,11 +143,11 @@ def test_a_first_window_of_warm_up_steps_only_still_plans_the_whole_fit(error: f
     measured, so `T` stays the profile's. The plan still steers every selection (before, the targets stayed `T / s`
     with no account and no correction), so the fit ends on its own plan whatever the time model's error, and with
     the time model right on the asked speedup of the whole full fit."""
-    device = VirtualDevice(error, slow=(session.WARMUP_STEPS, 1.6))
+    device = VirtualDevice(error, slow=(windows.WARMUP_STEPS, 1.6))
     callback = ElasticTensorSelection(speedup=1.5, interval=8, interval_unit="step", profile=PROFILE, clock=device.clock)
     torch.manual_seed(0)
     tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
-    assert callback._fit is not None and callback._fit.schedule.probe_steps_between(0, 96) == session.WARMUP_STEPS
+    assert callback._fit is not None and callback._fit.schedule.probe_steps_between(0, 96) == windows.WARMUP_STEPS
     assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
@@ -156,22 +156,28 @@ def test_a_first_window_of_warm_up_steps_only_still_plans_the_whole_fit(error: f
     assert "no steady full step measured" in callback.report().table()
 
 
+@pytest.mark.parametrize("warmup", [windows.WARMUP_STEPS, 2], ids=("shipped warm-up", "2 warm-up steps"))
 @pytest.mark.parametrize("error", [0.7, 1.3])
-def test_the_default_first_window_times_steady_full_steps_so_the_fit_lands_whatever_the_profile(error: float) -> None:
+def test_the_default_first_window_times_steady_full_steps_so_the_fit_lands_whatever_the_profile(
+    error: float, warmup: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The auto first window runs 2 steps past the process's warm-up steps (1.6x slow here) when the fit can pay
     for them: `T` is then the steady full step measured (`error` x the profile's), not the profile's, from the first
     selection on, and the fit lands on the asked speedup of the whole full fit. With the previous test's 4-step
-    window (all warm-up) it only lands on its own plan, off by `error`. No warning that the window runs on."""
-    device = VirtualDevice(error, slow=(session.WARMUP_STEPS, 1.6))
+    window (all warm-up) it only lands on its own plan, off by `error`. No warning that the window runs on. The
+    warm-up count set in its one place (`windows.WARMUP_STEPS`) moves the window and the steps kept out of `T`
+    together (before, the first window's length was fixed as `windows` was imported: 6 steps with 2 warm-up ones)."""
+    monkeypatch.setattr(windows, "WARMUP_STEPS", warmup)
+    device = VirtualDevice(error, slow=(windows.WARMUP_STEPS, 1.6))
     callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*first window runs on.*")
         tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
-    assert callback._fit is not None and callback._fit.schedule.first_window_end == session.WARMUP_STEPS + 2
+    assert callback._fit is not None and callback._fit.schedule.first_window_end == warmup + 2
     # a device slower than the profile by more than a cold process's ceiling: the window ran on, and then took them
     ran_on = windows.COLD_STEPS if error > windows.COLD_CEILING else 0
-    assert callback.history[0].step == session.WARMUP_STEPS + 2 + ran_on
+    assert callback.history[0].step == warmup + 2 + ran_on
     assert [r.full_seconds for r in callback.history] == pytest.approx([error * PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     # on the asked speedup of a full fit at the steady step (the device's own also pays its slow first steps)
@@ -186,7 +192,7 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     of the profile's step, and `T` is those steps, exactly the steady full step; the fit lands on the asked speedup.
     A process that profiled this fit (the profiling passes warmed it) takes the window's steps as they come, as
     before: there `T` is the slow steps' mean."""
-    device = VirtualDevice(1.0, slow=(session.WARMUP_STEPS + 2, 1.45))  # steps 0-5 slow, the first window's samples too
+    device = VirtualDevice(1.0, slow=(windows.WARMUP_STEPS + 2, 1.45))  # steps 0-5 slow, the first window's samples too
     callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
     original = callback._begin
     if profiled:  # as if this fit had profiled in this process
@@ -196,10 +202,10 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     fit = callback._fit
     assert fit is not None and fit.cold is not profiled
     if profiled:
-        assert fit.ran_on == 0 and callback.history[0].step == session.WARMUP_STEPS + 2
+        assert fit.ran_on == 0 and callback.history[0].step == windows.WARMUP_STEPS + 2
         assert callback.history[0].full_seconds == pytest.approx(1.45 * PROFILE.t_full)
         return
-    assert fit.ran_on == windows.COLD_SAMPLES and callback.history[0].step == session.WARMUP_STEPS + 2 + 2
+    assert fit.ran_on == windows.COLD_SAMPLES and callback.history[0].step == windows.WARMUP_STEPS + 2 + 2
     assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     assert summary["probe_steps"] == fit.schedule.probe_steps_between(0, 96) + 2  # the two steps it ran on

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
-from lightning_elastic import ElasticTensorSelection, session
+from lightning_elastic import ElasticTensorSelection, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.harness import FirstStep
 from lightning_elastic.profiling.runner import Runner
@@ -260,9 +260,9 @@ def test_first_steps_that_skip_their_backward_pass_still_leave_a_probe_window_an
     assert fit is not None and fit.plan.steps_done == trainer.global_step == 16
     # the first window (steps 0-1) was skipped: one opens at step 2, and its selection comes as epoch 1 starts
     assert [r.step for r in callback.history] == [8]
-    # every step from step 2 was timed; the window from step 2 is the process's warm-up (`session.WARMUP_STEPS`),
+    # every step from step 2 was timed; the window from step 2 is the process's warm-up (`windows.WARMUP_STEPS`),
     # so `T`'s samples are the window before step 8 (one of its two steps, if the other took twice as long)
-    assert fit.steps_timed == 14 and session.WARMUP_STEPS >= 2
+    assert fit.steps_timed == 14 and windows.WARMUP_STEPS >= 2
     assert 1 <= fit.plan.full_samples <= 2
 
 
@@ -280,7 +280,7 @@ def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window
     trainer = tiny_trainer(callbacks=[callback], max_steps=64, max_epochs=8)  # epochs of 8 steps, selections every 16
     trainer.fit(SkipsSix(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.schedule.first_steps == session.WARMUP_STEPS + 2 == 6
+    assert fit is not None and fit.schedule.first_steps == windows.first_window() == 6
     assert [r.step for r in callback.history][:1] == [16]
     # every step from 6 timed; 2 more of them probe steps than with a 4-step late window (16)
     assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 18
@@ -446,7 +446,7 @@ def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(
     """The first step's seconds are those of its own training step and of the skipped one before it (2 s of the
     module's clock), not the 100 s of a validation run between them, as no other step's are. Before: 102 s. (Only
     the first step warms up here, so that the warm-up seconds are exactly its own.)"""
-    monkeypatch.setattr(session, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(windows, "WARMUP_STEPS", 1)
     module = SlowValidation()
     callback = elastic(False, clock=module.clock, interval=4, interval_unit="step")
     trainer = tiny_trainer(callbacks=[callback], max_steps=4, limit_val_batches=1, **when)

@@ -5,7 +5,16 @@ import torch
 from torch import nn
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import INTERNALS, CompiledCodes, apply_bn_policy, apply_mask, match_patterns, pins
+from lightning_elastic.freezing import (
+    CHANGED,
+    INTERNALS,
+    RESET_CODE,
+    CompiledCodes,
+    apply_bn_policy,
+    apply_mask,
+    match_patterns,
+    pins,
+)
 from lightning_elastic.records import Mask
 
 
@@ -116,6 +125,46 @@ def test_compiled_codes_without_a_torch_internal_reset_all_of_dynamo_and_say_so_
         codes.reset()
         codes.reset()
     assert resets == [1, 1] and codes.missing == (missing,) and len(warned) == 1
-    assert str(warned[0].message).startswith(f"ElasticTensorSelection: this torch ({torch.__version__}) lacks {missing},")
+    assert str(warned[0].message).startswith(
+        f"ElasticTensorSelection: this torch ({torch.__version__}) lacks {missing},"
+    )
     assert "resets all of dynamo instead (`torch._dynamo.reset()`)" in str(warned[0].message)
     assert "every other function or model compiled in this process" in str(warned[0].message)
+
+
+def failing_reset(error: Exception, monkeypatch: pytest.MonkeyPatch) -> tuple[CompiledCodes, list[int]]:
+    """`CompiledCodes` with one code of the fit, on a torch whose `reset_code` raises `error`, and the resets of all
+    of dynamo it makes (counted, not run)."""
+
+    def reset_code(code: object) -> None:
+        raise error
+
+    resets: list[int] = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(torch._C._dynamo.eval_frame, "reset_code", reset_code)
+    codes = CompiledCodes()
+    codes.codes.add(failing_reset.__code__)
+    return codes, resets
+
+
+@pytest.mark.parametrize("error", [TypeError("takes 2 arguments"), AttributeError("no .co_x"), RuntimeError("new")])
+def test_compiled_codes_with_a_failing_internal_reset_all_of_dynamo_and_say_so_once(
+    error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An internal that raises what a changed signature or behaviour raises (`CHANGED`) puts `CompiledCodes` on the
+    fallback of a missing one: each reset is all of dynamo's, and one warning names the internal and its error."""
+    codes, resets = failing_reset(error, monkeypatch)
+    with pytest.warns(UserWarning) as warned:
+        codes.reset()
+        codes.reset()
+    assert resets == [1, 1] and len(warned) == 1 and isinstance(error, CHANGED)
+    assert codes.failed is not None and codes.failed.internal == RESET_CODE and codes.failed.error is error
+    assert f"has {RESET_CODE}, but using it raised {type(error).__name__}: {error} " in str(warned[0].message)
+
+
+def test_compiled_codes_let_an_error_of_another_kind_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any other error an internal raises is not about its shape: it reaches the caller as it is, with no fallback."""
+    codes, resets = failing_reset(ValueError("a bad code"), monkeypatch)
+    with pytest.raises(ValueError, match="a bad code"):
+        codes.reset()
+    assert codes.failed is None and resets == []
