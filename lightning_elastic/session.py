@@ -209,7 +209,10 @@ class FitSession:
         if not self.in_first_window:
             return False
         room = self.schedule.steps_to_next_change(step)
-        warming = self.cold and cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room)
+        # a window whose selection waits for an epoch's start ends there: running on would skip that start
+        at_epoch_start = self.schedule.selects_at_epoch_start(step - self.ran_on)
+        warming = self.cold and not at_epoch_start
+        warming = warming and cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room)
         votes = torch.tensor([float(warming)], dtype=torch.float64, device=self.params[0].device)
         if float(trainer.strategy.reduce(votes, reduce_op="sum").item()) == 0.0:
             return False
@@ -219,8 +222,9 @@ class FitSession:
 
     @property
     def in_first_window(self) -> bool:
-        """No selection yet and `T` not measured yet: the fit's first probe window (alike on every rank)."""
-        return not self.history and not self.plan.full_samples
+        """No selection yet: the fit's first probe window, which its first selection closes before any other window
+        opens (alike on every rank, unlike what each rank measured)."""
+        return not self.history
 
     def close_probe(self) -> int:
         """The window's steady full steps measure `T` for the plan (none when all are warm-up steps); the step it was

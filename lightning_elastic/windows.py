@@ -4,7 +4,7 @@ A probe window trains every candidate tensor for a few ordinary steps, so that t
 steps time the full step `T` of the wall-clock plan (`planner.WallClockPlan`). `plan_schedule` gives the fit its
 `Schedule`: with `probe_steps="auto"` windows cost a small share of the fit (`auto_probe_plan`), the first long
 enough to time steady steps after the process's warm-up steps when the fit can pay for it. In a process that did
-not profile this fit, that first window runs on while the process is still warming up (`cold_window_runs_on`).
+not time its profile (a cached one), that first window runs on while it is still warming up (`cold_window_runs_on`).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def cold_window_runs_on(samples: list[float], profile_step: float, ran_on: int, 
         True
         >>> cold_window_runs_on([0.86, 0.86, 0.60, 0.62], profile_step=0.59, ran_on=2, room=38)
         False
-        >>> cold_window_runs_on([0.86, 0.86], profile_step=0.59, ran_on=0, room=6)  # the selection would not train
+        >>> cold_window_runs_on([0.86, 0.86], profile_step=0.59, ran_on=0, room=6)  # too near the next change
         False
     """
     steady = sum(1 for s in samples if s <= COLD_CEILING * profile_step)

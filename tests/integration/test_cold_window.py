@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_elastic import windows
+from lightning_elastic import resume, windows
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.session import FitSession
@@ -66,9 +66,9 @@ def test_a_warm_process_votes_and_runs_on_only_with_a_warming_rank(other: float)
 
 def test_no_window_after_the_first_votes_or_runs_on() -> None:
     trainer: Any = SimpleNamespace(strategy=NoCollective())
-    measured = cold_session([1.45, 1.45])
-    measured.plan.full_samples = 2
-    assert not measured.runs_on(trainer, 6)
+    later = cold_session([1.45, 1.45])
+    later.history.append(SimpleNamespace(step=6))  # the first selection came: this is a later window
+    assert not later.runs_on(trainer, 36)
 
 
 def test_the_window_that_ran_on_gives_its_steady_steps_and_its_scheduled_end() -> None:
@@ -82,3 +82,34 @@ def test_the_window_that_ran_on_gives_its_steady_steps_and_its_scheduled_end() -
     assert fit.close_probe() == 6 and fit.ran_on == 2
     assert fit.plan.full_step == pytest.approx(1.05 * profile_step) and fit.plan.full_samples == 2
     assert windows.COLD_SAMPLES == 2
+
+
+def test_a_first_window_whose_selection_waits_for_an_epoch_start_ends_there() -> None:
+    """With windows of 8 steps in 16-step epochs the first window runs to step 16 and its selection comes at the
+    next epoch's start: running on past step 16 would skip that start and leave the selection to the epoch after."""
+    module = TinyNet()
+    prof = synthetic_profile(module)
+    schedule = Schedule(1, "epoch", 8, steps_per_epoch=16, total_steps=64)
+    assert schedule.first_window_end == 16 and schedule.selects_at_epoch_start(16)
+    plan = WallClockPlan(speedup=1.5, total_steps=64, full_step=prof.t_full)
+    fit = FitSession.start(module, prof, schedule, plan, (), "update", clock=lambda: 0.0)
+    fit.cold, fit.probe_end, fit.probe_full = True, 16, [1.45 * prof.t_full] * 8
+    trainer: Any = SimpleNamespace(strategy=OtherRanks(0.0))
+    assert not fit.runs_on(trainer, 16)
+    assert fit.close_probe() == 16
+
+
+def test_a_checkpoint_inside_the_first_window_keeps_its_samples_of_t() -> None:
+    """A fit resumed inside its first window is cold and its first steps are warm-up steps again: the window's samples
+    from before the checkpoint are what it has to decide on, and what `T` is taken from."""
+    trainer: Any = SimpleNamespace(strategy=OtherRanks(0.0))
+    fit = cold_session([1.45, 1.45])
+    assert fit.runs_on(trainer, 6)
+    fit.probe_full.append(1.0 * fit.plan.full_step)
+    resumed = cold_session([])
+    resume.restore(resumed, resume.fit_state(fit))
+    assert resumed.probe_full == fit.probe_full and (resumed.probe_end, resumed.ran_on) == (7, 1)
+    assert resumed.runs_on(trainer, 7)  # one steady step of the two it needs
+    resumed.probe_full.append(1.1 * fit.plan.full_step)
+    assert not resumed.runs_on(trainer, 8)
+    assert resumed.close_probe() == 6 and resumed.plan.full_step == pytest.approx(1.05 * fit.plan.full_step)
