@@ -35,6 +35,12 @@ CORRECTION_BOUNDS = (0.25, 4.0)
 # A probe step that took more than this many times the window's median was paused (by the OS, another process, a
 # garbage collection): with 3 or 4 steps a window, one such step would move `T` by a third. Not a sample of `T`.
 PAUSED = 2.0
+# Before training, a speedup that leaves the selected steps less than this share of a full step above the cheapest
+# selection is warned about: its selections train little more than the cheapest set. MiniLM's 90-step first runs at
+# 2x had about 0.0-0.05 (the plan left 166-197 ms a step against a cheapest selection of 184-209 ms), trained 2-5
+# tensors and reached 78-92% where static last-k, with a step 0.07 of a full step above that floor, trained 17% of
+# the tensors and reached 94.9% (docs/results.md).
+NARROW_ROOM = 0.05
 def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:
     """The largest whole-fit speedup: every probe step at full cost, every other step at the cheapest selection.
 
@@ -72,6 +78,7 @@ class Reach:
         scope: what the figures count, in words.
         profile_seconds: what profiling took this run.
         profile_steps: the same in full steps of the time model.
+        selected_share: the share of the fit's steps that are selected steps (the others are probe steps).
     """
 
     floor: float
@@ -80,6 +87,16 @@ class Reach:
     scope: str
     profile_seconds: float
     profile_steps: float
+    selected_share: float = 1.0
+
+    def room(self, speedup: float) -> float:
+        """What a selected step may spend above the cheapest selection at `speedup`, on average over the fit and with
+        this run's profiling paid, as a share of a full step (negative: out of this fit's reach)."""
+        return (1.0 / speedup - 1.0 / self.this_fit) / self.selected_share
+
+    def leaving(self, room: float) -> float:
+        """The speedup that leaves the selected steps `room` (see `room`)."""
+        return 1.0 / (room * self.selected_share + 1.0 / self.this_fit)
 
     def check(self, speedup: float) -> str | None:
         """Refuse a `speedup` out of reach; the warning when only this run's profiling puts it out of reach.
@@ -103,13 +120,23 @@ class Reach:
         )
 
     def warning(self, speedup: float) -> str | None:
-        """The warning when only this run's profiling puts `speedup` out of reach; None otherwise."""
-        if self.this_fit >= speedup:
+        """The warning when only this run's profiling puts `speedup` out of reach, or when it leaves the selected
+        steps less than NARROW_ROOM above the cheapest selection; None otherwise."""
+        if self.this_fit < speedup:
+            return (
+                f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.0f} full "
+                f"steps) of this fit's budget, so this fit reaches at most {at_most(self.this_fit)}x of the `speedup` "
+                f"{speedup!r} asked. The profile is cached: later fits on this device reach {at_most(self.reachable)}x."
+            )
+        if (room := self.room(speedup)) >= NARROW_ROOM:
             return None
         return (
-            f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.0f} full "
-            f"steps) of this fit's budget, so this fit reaches at most {at_most(self.this_fit)}x of the `speedup` "
-            f"{speedup!r} asked. The profile is cached: later fits on this device reach {at_most(self.reachable)}x."
+            f"ElasticTensorSelection: `speedup` {speedup!r} leaves this fit's selected steps {room:.1%} of a full step "
+            f"above the cheapest selection ({self.floor:.0%} of a full step: the forward pass and what every selection "
+            f"trains), {self.scope} and {self.profile_seconds:.1f} s of profiling: its selections can train little "
+            f"more than the cheapest set, and accuracy may fall toward training that set alone. At most "
+            f"{at_most(self.leaving(NARROW_ROOM))}x leaves {NARROW_ROOM:.0%}; a longer fit, or the cached profile of "
+            "a later fit, leaves more."
         )
 
 
@@ -150,6 +177,7 @@ def reach(
         scope=f"in a fit of {total_steps} steps with {probes} probe steps at full cost",
         profile_seconds=profile_seconds,
         profile_steps=profile_steps,
+        selected_share=max(total_steps - probes, 1) / max(total_steps, 1),
     )
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from lightning_elastic import planner
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.schedule import Schedule
@@ -294,4 +295,24 @@ def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone
         f"ElasticTensorSelection: profiling took 14.0 s (2 full steps) of this fit's budget, so this fit reaches at "
         f"most {at_most(fit.this_fit)}x of the `speedup` {between!r} asked. The profile is cached: later fits on this "
         f"device reach {at_most(fit.reachable)}x."
+    )
+
+
+def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_selection_is_warned_about() -> None:
+    """The room is what the fit's budget leaves a selected step above the cheapest one, by hand: 40 steps at 7 s,
+    8 of them probes at full cost, 14 s of profiling."""
+    fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=14.0, full_step=7.0)
+    for speedup in (1.2, fit.this_fit * 0.97, fit.this_fit):
+        selected_budget = (40 / speedup - 2.0 - 8) / 32  # in full steps: the fit's, less profiling and probes
+        assert fit.room(speedup) == pytest.approx(selected_budget - fit.floor)
+    assert fit.room(fit.leaving(planner.NARROW_ROOM)) == pytest.approx(planner.NARROW_ROOM)
+    assert fit.check(fit.leaving(planner.NARROW_ROOM) * 0.99) is None  # room above NARROW_ROOM: nothing to say
+    narrow = fit.leaving(planner.NARROW_ROOM) * 1.01
+    assert fit.check(narrow) == (
+        f"ElasticTensorSelection: `speedup` {narrow!r} leaves this fit's selected steps "
+        f"{fit.room(narrow):.1%} of a full step above the cheapest selection (43% of a full step: the forward pass and "
+        "what every selection trains), in a fit of 40 steps with 8 probe steps at full cost and 14.0 s of profiling: "
+        "its selections can train little more than the cheapest set, and accuracy may fall toward training that set "
+        f"alone. At most {at_most(fit.leaving(planner.NARROW_ROOM))}x leaves 5%; a longer fit, or the cached profile "
+        "of a later fit, leaves more."
     )
