@@ -41,6 +41,8 @@ PAUSED = 2.0
 # tensors and reached 78-92% where static last-k, with a step 0.07 of a full step above that floor, trained 17% of
 # the tensors and reached 94.9% (docs/results.md).
 NARROW_ROOM = 0.05
+
+
 def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:
     """The largest whole-fit speedup: every probe step at full cost, every other step at the cheapest selection.
 

@@ -210,9 +210,11 @@ class FitSession:
             return False
         room = self.schedule.steps_to_next_change(step)
         # a window whose selection waits for an epoch's start ends there: running on would skip that start
-        at_epoch_start = self.schedule.selects_at_epoch_start(step - self.ran_on)
-        warming = self.cold and not at_epoch_start
-        warming = warming and cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room)
+        warming = (
+            self.cold
+            and not self.schedule.selects_at_epoch_start(step - self.ran_on)
+            and cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room)
+        )
         votes = torch.tensor([float(warming)], dtype=torch.float64, device=self.params[0].device)
         if float(trainer.strategy.reduce(votes, reduce_op="sum").item()) == 0.0:
             return False

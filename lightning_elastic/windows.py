@@ -182,7 +182,7 @@ def cold_window_runs_on(samples: list[float], profile_step: float, ran_on: int, 
         >>> cold_window_runs_on([0.86, 0.86], profile_step=0.59, ran_on=0, room=6)  # too near the next change
         False
     """
-    steady = sum(1 for s in samples if s <= COLD_CEILING * profile_step)
+    steady = len(_within_ceiling(samples, profile_step))
     return bool(samples) and steady < COLD_SAMPLES and ran_on < COLD_STEPS and room > first_window()
 
 
@@ -196,5 +196,9 @@ def steady_samples(samples: list[float], profile_step: float) -> list[float]:
         >>> steady_samples([0.77, 0.78, 0.76], profile_step=0.59)
         [0.77, 0.78, 0.76]
     """
-    steady = [s for s in samples if s <= COLD_CEILING * profile_step]
-    return steady or list(samples)
+    return _within_ceiling(samples, profile_step) or list(samples)
+
+
+def _within_ceiling(samples: list[float], profile_step: float) -> list[float]:
+    """The samples within COLD_CEILING of the profile's full step: a warm process's steps."""
+    return [s for s in samples if s <= COLD_CEILING * profile_step]
