@@ -36,6 +36,7 @@ from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.records import Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
+from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
 from lightning_elastic.windows import cold_window_runs_on, steady_samples
@@ -93,6 +94,8 @@ class FitSession:
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
     cold: bool = False  # this process did not time its profile (a cached one): its first window may still warm up
     ran_on: int = 0  # steps the first window ran on past its length (`runs_on`)
+    cheapest: Mask | None = None  # what the first window's warm-up steps train (`warm_up`); None: every tensor
+    cheap: bool = False  # the step in progress trains `cheapest`
 
     @classmethod
     def start(
@@ -132,6 +135,8 @@ class FitSession:
                 f"`sparse=False`, or keep them out with `train_never`. Found sparse gradients for: {sparse_trained}"
             )
         device = pl_module.device
+        model = StepTimeModel.from_profile(prof)
+        cheapest = decide(model, [1.0] * len(params), 0.0, required=required, forbidden=forbidden).mask
         return cls(
             schedule=schedule,
             names=prof.names,
@@ -146,6 +151,7 @@ class FitSession:
             plan=plan,
             latest=[0.0] * len(params),
             compiled=is_compiled(pl_module),
+            cheapest=None if is_compiled(pl_module) else cheapest,  # a new trainable set would recompile
         )
 
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
@@ -154,11 +160,12 @@ class FitSession:
         alone would put the asked speedup out of this fit's reach."""
         total = self.plan.total_steps if calibrate else None
         model = StepTimeModel.from_profile(prof)
-        self.schedule, limit = reach_shortening(
-            self.schedule,
-            self.plan.speedup,
-            lambda schedule: reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full),
-        )
+
+        def reach_of(schedule: Schedule) -> Reach:
+            cheap = windows.cheap_steps(schedule) if self.cheapest is not None else 0
+            return reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full, cheap)
+
+        self.schedule, limit = reach_shortening(self.schedule, self.plan.speedup, reach_of)
         return limit
 
     def charge_start(self, seconds: float) -> None:
@@ -192,6 +199,19 @@ class FitSession:
         self.set_trainable([not f for f in self.forbidden])
         self.bn_frozen = apply_bn_policy(trainer.lightning_module, self.bn_policy, self.bn_frozen)
 
+    def warm_up(self, pl_module: nn.Module, step: int) -> None:
+        """As optimizer step `step` begins: in a first probe window longer than the others (auto's, to time `T`), the
+        process's warm-up steps after its first train the cheapest selection (`windows.trains_cheaply`), the window's
+        other steps every candidate tensor."""
+        end, cheapest = self.probe_end, self.cheapest
+        first = end is not None and self.in_first_window and self.schedule.first_probe_steps > 0
+        cheap = first and cheapest is not None and windows.trains_cheaply(self.steps_timed, step, end or 0)
+        if cheap != self.cheap:
+            self.cheap = cheap
+            everything = [not f for f in self.forbidden]
+            self.set_trainable(cheapest if cheap and cheapest is not None else everything)
+            self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
+
     def set_trainable(self, mask: Sequence[bool]) -> None:
         """Set `requires_grad` to `mask`; if that changes the trainable set of a compiled model (or dynamo compiled
         in this fit), the next step warms up (torch.compile guards on `requires_grad`). An eager step with a new set
@@ -223,6 +243,11 @@ class FitSession:
         return True
 
     @property
+    def cheap_steps(self) -> int:
+        """Steps of the first window that train the cheapest selection (`warm_up`): none for a compiled module."""
+        return windows.cheap_steps(self.schedule) if self.cheapest is not None else 0
+
+    @property
     def in_first_window(self) -> bool:
         """No selection yet: the fit's first probe window, which its first selection closes before any other window
         opens (alike on every rank, unlike what each rank measured)."""
@@ -249,6 +274,8 @@ class FitSession:
             return  # before the first window opens nothing has been set yet
         probing = self.probe_end is not None or self.pending_selection
         expected = [not f for f in self.forbidden] if probing or self.mask is None else list(self.mask)
+        if self.cheap and self.cheapest is not None:
+            expected = list(self.cheapest)
         changed = [k for k, (p, e) in enumerate(zip(self.params, expected, strict=True)) if p.requires_grad != e]
         if changed:
             names = [self.names[k] for k in changed[:5]]
@@ -277,7 +304,7 @@ class FitSession:
         optimizer = math.fsum(self.optimizer_timer.pop())
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1
-        if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
+        if self.probe_end is not None and not self.cheap:  # every probe step is the callback's own, warm-up or not
             self.totals["probe_seconds"] += seconds - overhead
             self.totals["probe_steps"] += 1
         if self.warming or self.steps_timed == 1:  # what the fit's first step, or a new set's, compiled is the fit's
