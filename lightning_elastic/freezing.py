@@ -138,6 +138,22 @@ def apply_mask(params: Sequence[nn.Parameter], mask: Sequence[bool]) -> int:
     return changed
 
 
+def refuse_changed(params: Sequence[nn.Parameter], expected: Sequence[bool], names: Sequence[str]) -> None:
+    """Refuse `requires_grad` flags that differ from those the callback set (`expected`): a trainable set that
+    something else changed would escape the plan and the selection.
+
+    Raises:
+        ElasticConfigError: naming (up to 5 of) the tensors whose flag changed.
+    """
+    changed = [k for k, (p, e) in enumerate(zip(params, expected, strict=True)) if p.requires_grad != e]
+    if changed:
+        raise ElasticConfigError(
+            "`ElasticTensorSelection` must be the only one to set `requires_grad` during the fit (another "
+            "callback, e.g. `BackboneFinetuning`, or the module changed it; freeze for good with `train_never` "
+            f"instead). Found changed outside the callback: {[names[k] for k in changed[:5]]}"
+        )
+
+
 def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Iterable[str] = ()) -> list[str]:
     """Under `policy="freeze"`, put every BatchNorm layer whose own tensors are all frozen in eval mode.
 

@@ -193,6 +193,21 @@ def progress_metrics(probing: bool, mask: Mask | None) -> dict[str, float]:
     return {"elastic/probing": 0.0, "elastic/trained": mask.count(True) / len(mask)}
 
 
+def nonfinite_warning(names: Sequence[str], dropped: Sequence[int]) -> str:
+    """The warning, once a fit, when some tensor steps' importance was not finite (`dropped`: their count per tensor).
+
+    Example:
+        >>> nonfinite_warning(["a", "b"], [0, 3])[:80]
+        "ElasticTensorSelection: the importance of ['b'] was not finite at 3 tensor steps"
+    """
+    named = [n for n, d in zip(names, dropped, strict=True) if d][:5]
+    return (
+        f"ElasticTensorSelection: the importance of {named} was not finite at {sum(dropped)} tensor steps (a NaN or "
+        "inf gradient or update): those steps are left out and each tensor keeps its last finite importance. Counted "
+        "as `nonfinite_steps` in the summary; warned once a fit."
+    )
+
+
 def starved_warning(
     step: int,
     decision: Decision,

@@ -20,7 +20,6 @@ from torch import nn
 
 from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
-from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import (
     BnPolicy,
     CompiledCodes,
@@ -29,14 +28,16 @@ from lightning_elastic.freezing import (
     compiled_graphs,
     is_compiled,
     pins,
+    refuse_changed,
 )
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
 from lightning_elastic.profiling import TimingProfile
-from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.records import Mask, SelectionRecord, StepTerms
+from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.selector import decide
+from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
 from lightning_elastic.windows import cold_window_runs_on, steady_samples
@@ -113,27 +114,9 @@ class FitSession:
         The `train_never` tensors are frozen by then (`freezing.freeze_never`, which keeps what the user had, to give
         back): like the tensors the user froze, they do not require grad, so no selection trains them.
         """
-        reason = mismatch(prof, pl_module)
-        if reason is not None:
-            raise ElasticConfigError(
-                "`profile` must describe this module's parameters (names as `named_parameters()` gives them, their "
-                f"element counts, every tensor that requires grad): profile this module. Found: {reason}"
-            )
-        named = dict(pl_module.named_parameters())
-        params = [named[name] for name in prof.names]
+        params = profiled_parameters(pl_module, prof)
         required, forbidden = pins(prof.names, params, train_always, ())
-        sparse = {
-            f"{prefix}.{name}" if prefix else name
-            for prefix, module in pl_module.named_modules()
-            if getattr(module, "sparse", False) is True
-            for name, _ in module.named_parameters(recurse=False)
-        }
-        sparse_trained = [n for n, f in zip(prof.names, forbidden, strict=True) if n in sparse and not f]
-        if sparse_trained:
-            raise ElasticConfigError(
-                "`ElasticTensorSelection` needs dense gradients to measure importance: build embeddings with "
-                f"`sparse=False`, or keep them out with `train_never`. Found sparse gradients for: {sparse_trained}"
-            )
+        check_dense(pl_module, prof.names, forbidden)
         device = pl_module.device
         model = StepTimeModel.from_profile(prof)
         cheapest = decide(model, [1.0] * len(params), 0.0, required=required, forbidden=forbidden).mask
@@ -276,14 +259,7 @@ class FitSession:
         expected = [not f for f in self.forbidden] if probing or self.mask is None else list(self.mask)
         if self.cheap and self.cheapest is not None:
             expected = list(self.cheapest)
-        changed = [k for k, (p, e) in enumerate(zip(self.params, expected, strict=True)) if p.requires_grad != e]
-        if changed:
-            names = [self.names[k] for k in changed[:5]]
-            raise ElasticConfigError(
-                "`ElasticTensorSelection` must be the only one to set `requires_grad` during the fit (another "
-                "callback, e.g. `BackboneFinetuning`, or the module changed it; freeze for good with `train_never` "
-                f"instead). Found changed outside the callback: {names}"
-            )
+        refuse_changed(self.params, expected, self.names)
 
     def before_optimizer_step(self) -> None:
         self.overhead_timer.start()
@@ -340,13 +316,7 @@ class FitSession:
             self.totals["nonfinite_steps"] += sum(dropped)
             if not self.warned_nonfinite:
                 self.warned_nonfinite = True
-                names = [n for n, d in zip(self.names, dropped, strict=True) if d][:5]
-                rank_zero_warn(
-                    f"ElasticTensorSelection: the importance of {names} "
-                    f"was not finite at {sum(dropped)} tensor steps (a NaN or inf gradient or update): those steps "
-                    "are left out and each tensor keeps its last finite importance. Counted as `nonfinite_steps` in "
-                    "the summary; warned once a fit."
-                )
+                rank_zero_warn(nonfinite_warning(self.names, dropped))
         if any(counts):
             device = self.params[0].device
             per_step = trainer.strategy.reduce(self.evaluator.per_step.to(device), reduce_op="mean").double().cpu()

@@ -2,12 +2,14 @@
 
 `check_supported` refuses a module the method cannot run with (as the fit is set up); `fit_schedule` reads the
 Trainer's epochs and the fit's length (`epoch_lengths`) into the schedule of probe windows and selections
-(`windows.plan_schedule`), or says why the callback stays off.
+(`windows.plan_schedule`), or says why the callback stays off. Once the profile is known, `profiled_parameters`
+binds its tensors (refusing a profile of another module) and `check_dense` refuses sparse gradients.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import lightning as L
@@ -18,6 +20,8 @@ from torch import nn
 
 from lightning_elastic.distributed import prepare_strategy
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
 
@@ -47,6 +51,38 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     prepare_strategy(trainer.strategy)
     if not any(p.requires_grad for p in pl_module.parameters()):
         raise ElasticConfigError("`ElasticTensorSelection` needs a model with trainable parameters. Found: none")
+
+
+def profiled_parameters(pl_module: L.LightningModule, prof: TimingProfile) -> list[nn.Parameter]:
+    """The module's parameters in the profile's order.
+
+    Raises:
+        ElasticConfigError: when `prof` describes another module (`profiling.profile.mismatch`).
+    """
+    reason = mismatch(prof, pl_module)
+    if reason is not None:
+        raise ElasticConfigError(
+            "`profile` must describe this module's parameters (names as `named_parameters()` gives them, their "
+            f"element counts, every tensor that requires grad): profile this module. Found: {reason}"
+        )
+    named = dict(pl_module.named_parameters())
+    return [named[name] for name in prof.names]
+
+
+def check_dense(pl_module: L.LightningModule, names: Sequence[str], forbidden: Sequence[bool]) -> None:
+    """Refuse sparse gradients (an embedding built with `sparse=True`) on a tensor that a selection may train."""
+    sparse = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in pl_module.named_modules()
+        if getattr(module, "sparse", False) is True
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    sparse_trained = [n for n, f in zip(names, forbidden, strict=True) if n in sparse and not f]
+    if sparse_trained:
+        raise ElasticConfigError(
+            "`ElasticTensorSelection` needs dense gradients to measure importance: build embeddings with "
+            f"`sparse=False`, or keep them out with `train_never`. Found sparse gradients for: {sparse_trained}"
+        )
 
 
 def fit_schedule(
