@@ -326,7 +326,9 @@ def _internal(dotted: str) -> Any:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether torch.compile runs `model` or part of it (passed compiled to `fit`, or a compiled submodule)."""
-    return any(type(m).__name__ == "OptimizedModule" for m in model.modules()) or bool(
-        getattr(model, "_compiler_ctx", None)
+    """Whether torch.compile runs `model` or part of it: passed compiled to `fit`, a submodule wrapped by
+    `torch.compile`, or one compiled in place (`Module.compile()`, which leaves the module's type as it was)."""
+    return bool(getattr(model, "_compiler_ctx", None)) or any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
     )

@@ -22,7 +22,7 @@ from lightning_elastic.freezing import CACHE_ENTRIES, RESET_CODE, compiled_graph
 from tests.integration.test_callback import Recorder, elastic
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
-FORMS = ("given to fit compiled", "a compiled submodule")
+FORMS = ("given to fit compiled", "a compiled submodule", "a submodule compiled in place")
 
 
 class Quiet(TinyNet):
@@ -40,7 +40,10 @@ def compiled(form: str) -> tuple[nn.Module, Quiet]:
     module = Quiet()
     if form == "given to fit compiled":
         return torch.compile(module, backend="aot_eager"), module  # type: ignore[return-value]
-    module.net = torch.compile(module.net, backend="aot_eager")  # type: ignore[assignment]
+    if form == "a compiled submodule":
+        module.net = torch.compile(module.net, backend="aot_eager")  # type: ignore[assignment]
+    else:
+        module.net.compile(backend="aot_eager")  # `Module.compile()`: the submodule keeps its type
     return module, module
 
 
@@ -101,6 +104,28 @@ def test_a_compiled_fit_compiles_one_graph_per_change_of_the_trainable_set(form:
     assert all(graphs.sets[0]) and not all(graphs.sets[changes[0]])
     assert compiled_graphs() - graphs.at_fit_start == 4
     assert callback.summary()["compiled_graphs"] == 4
+
+
+@pytest.mark.parametrize("form", ("eager", *FORMS))
+def test_the_auto_first_window_of_a_compiled_fit_trains_every_tensor_at_every_step(form: str) -> None:
+    """An eager fit's auto first window trains the cheapest selection on the process's warm-up steps; a compiled fit
+    would compile two graphs more for them, so its window trains every tensor throughout: one graph for the window,
+    one per selection. Before: a submodule compiled in place (`Module.compile()`, its type unchanged) was taken for
+    eager, and its first window compiled three graphs."""
+    model, module = (Quiet(), None) if form == "eager" else compiled(form)
+    callback = ElasticTensorSelection(
+        speedup=1.6, interval=30, interval_unit="step", profile=synthetic_profile(module or model), calibrate=False
+    )
+    graphs = Graphs()
+    tiny_trainer(callbacks=[callback, graphs], max_steps=40, max_epochs=-1).fit(model, tiny_data())  # type: ignore[arg-type]
+    first = callback.history[0].step
+    window = graphs.sets[:first]
+    changes = sum(1 for a, b in zip(graphs.sets, graphs.sets[1:], strict=False) if a != b)
+    if form == "eager":  # the reference: steps 1-3 train the cheapest selection
+        assert first == 6 and [all(s) for s in window] == [True, False, False, False, True, True]
+        return
+    assert first == 6 and all(all(s) for s in window) and changes == 1
+    assert compiled_graphs() - graphs.at_fit_start == 2 and callback.summary()["compiled_graphs"] == 2
 
 
 def test_compiled_module_runs_the_new_selection() -> None:
