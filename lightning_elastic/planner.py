@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.records import Decision, Mask
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
 
@@ -41,6 +42,9 @@ PAUSED = 2.0
 # tensors and reached 78-92% where static last-k, with a step 0.07 of a full step above that floor, trained 17% of
 # the tensors and reached 94.9% (docs/results.md).
 NARROW_ROOM = 0.05
+# After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
+# re-plans at once, at most REPLANS times in a row (`replan_due`, `session.FitSession.off_plan`).
+REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
 
 
 def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:
@@ -67,6 +71,26 @@ def at_most(limit: float) -> str:
         ('1.05', '2.00')
     """
     return f"{math.floor(limit * 100) / 100:.2f}"
+
+
+def replan_due(ratio: float, decision: Decision, forbidden: Mask) -> bool:
+    """Whether a selection whose first steps took `ratio` times what the plan expected of them (the time model's
+    seconds times the plan's correction) is re-planned: more than REPLAN_TOLERANCE off, and a new selection could
+    differ (not the cheapest selection running slow, nor running fast a selection that every tensor, or the time
+    left, did not limit).
+
+    Example:
+        >>> bound = Decision(Mask.of([True, False]), (1.0, 1.0), predicted_seconds=1.0, target_seconds=1.0)
+        >>> replan_due(1.2, bound, Mask.of([False, False])), replan_due(0.8, bound, Mask.of([False, False]))
+        (True, True)
+        >>> replan_due(0.8, bound, Mask.of([False, True]))  # every tensor it may train already trains
+        False
+    """
+    everything = all(m or f for m, f in zip(decision.mask, forbidden, strict=True))
+    unhurried = decision.predicted_seconds < (1 - REPLAN_TOLERANCE) * decision.target_seconds  # time did not bind
+    if (ratio > 1 and decision.starved) or (ratio < 1 and (everything or unhurried)):
+        return False
+    return abs(ratio - 1.0) > REPLAN_TOLERANCE
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from lightning_elastic.freezing import (
     refuse_changed,
 )
 from lightning_elastic.importance import ImportanceEvaluator
-from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
+from lightning_elastic.planner import REPLAN_AFTER, REPLANS, Reach, WallClockPlan, reach, reach_shortening, replan_due
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import Mask, SelectionRecord, StepTerms
 from lightning_elastic.reporting import nonfinite_warning
@@ -41,11 +41,6 @@ from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
 from lightning_elastic.windows import cold_window_runs_on, steady_samples
-
-# After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
-# re-plans at once, at most REPLANS times in a row (`FitSession.off_plan`).
-REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
-
 
 TOTALS = (
     "profile_seconds",
@@ -356,13 +351,10 @@ class FitSession:
         return StepTerms(StepTimeModel.from_profile(prof), prof.t_full, 0.0, prof.t_full / self.plan.speedup)
 
     def off_plan(self, trainer: L.Trainer) -> bool:
-        """Whether to re-plan now: the selection in force measured its first `REPLAN_AFTER` steps more than
-        `REPLAN_TOLERANCE` off what the plan expected of them (the time model's seconds times the plan's
-        correction), it is not the `REPLANS`-th re-plan in a row, `2 * REPLAN_AFTER` steps or more are left before
-        the schedule changes the trainable set anyway, and a new selection could differ (not the cheapest selection
-        running slow, nor running fast a selection that every tensor, or the time left, did not limit). Decided
-        alike on every rank: the measured ratio is averaged. A re-plan may keep the mask (the target moved too little).
-        """
+        """Whether to re-plan now: the selection in force measured its first `REPLAN_AFTER` steps, it is not the
+        `REPLANS`-th re-plan in a row, `2 * REPLAN_AFTER` steps or more are left before the schedule changes the
+        trainable set anyway, and `planner.replan_due` says so of their measured / expected ratio (averaged over
+        ranks, so that every rank decides alike). A re-plan may keep the mask (the target moved too little)."""
         if self.probe_end is not None or not self.history or len(self.selected_steps) != REPLAN_AFTER:
             return False
         if all(r.replanned for r in self.history[-REPLANS:]) and len(self.history) >= REPLANS:
@@ -373,11 +365,7 @@ class FitSession:
         expected = self.plan.expected(decision.predicted_seconds)
         local = torch.tensor([math.fsum(self.selected_steps) / REPLAN_AFTER / expected], dtype=torch.float64)
         ratio = float(trainer.strategy.reduce(local.to(self.params[0].device), reduce_op="mean").item())
-        everything = all(m or f for m, f in zip(decision.mask, self.forbidden, strict=True))
-        unhurried = decision.predicted_seconds < (1 - REPLAN_TOLERANCE) * decision.target_seconds  # time did not bind
-        if (ratio > 1 and decision.starved) or (ratio < 1 and (everything or unhurried)):
-            return False
-        return abs(ratio - 1.0) > REPLAN_TOLERANCE
+        return replan_due(ratio, decision, self.forbidden)
 
     # ------------------------------------------------------------------ a selection comes into force
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_elastic import ElasticTensorSelection, reporting, session, windows
+from lightning_elastic import ElasticTensorSelection, planner, reporting, session, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
@@ -91,14 +91,14 @@ def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: 
     settings: dict[str, Any] = dict(speedup=1.3, interval=80, interval_unit="step", probe_steps=window)
 
     def fit(tolerance: float) -> ElasticTensorSelection:
-        monkeypatch.setattr(session, "REPLAN_TOLERANCE", tolerance)
+        monkeypatch.setattr(planner, "REPLAN_TOLERANCE", tolerance)
         device = VirtualDevice(1.0, slow=(window, 1.5))
         callback = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
         torch.manual_seed(0)
         tiny_trainer(callbacks=[device, callback], max_steps=160, max_epochs=-1).fit(TinyNet(), tiny_data())
         return callback
 
-    tolerance = session.REPLAN_TOLERANCE
+    tolerance = planner.REPLAN_TOLERANCE
     plain, replanned = fit(math.inf), fit(tolerance)
     for callback in (plain, replanned):
         assert callback.history[0].full_seconds == pytest.approx(1.5 * PROFILE.t_full)  # T from the slow window
@@ -108,11 +108,11 @@ def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: 
     assert account[replanned] == pytest.approx(1.0, abs=0.03)
     flags = [r.replanned for r in replanned.history]
     assert replanned.summary()["replans"] == sum(flags) and "re-planned" in replanned.report().table()
-    assert any(flags) and "1" * (session.REPLANS + 1) not in "".join("1" if f else "0" for f in flags)
+    assert any(flags) and "1" * (planner.REPLANS + 1) not in "".join("1" if f else "0" for f in flags)
     for record, following in zip(replanned.history, replanned.history[1:], strict=False):
         if following.replanned:  # each re-plan came after exactly the checked steps of the selection before it
-            assert following.step - record.step == session.REPLAN_AFTER
-            assert len(record.measured_seconds) == session.REPLAN_AFTER
+            assert following.step - record.step == planner.REPLAN_AFTER
+            assert len(record.measured_seconds) == planner.REPLAN_AFTER
 
 
 @pytest.mark.parametrize("factor", [1.6, 0.7])
