@@ -41,7 +41,7 @@ from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingMethod, TimingProfile
 from lightning_elastic.profiling.harness import FirstStep, announce_profiling, measure_profile, reusable_profile
-from lightning_elastic.profiling.profile import resolve_cache_dir
+from lightning_elastic.profiling.profile import remember_step, resolve_cache_dir
 from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.selector import decide
@@ -304,11 +304,15 @@ class ElasticTensorSelection(Callback):
         if (fit := self._fit) is None or trainer.global_step == fit.step_at_batch_start:
             return  # off, or accumulating gradients: the optimizer step is still to come
         fit.after_optimizer_step()
-        step = trainer.global_step
+        step, profile = trainer.global_step, self._profile
+        assert profile is not None
         if fit.probe_end is not None and step >= fit.probe_end:
             if fit.runs_on(trainer, step):
                 return
-            if fit.schedule.selects_at_epoch_start(fit.close_probe()):
+            first, end = fit.in_first_window, fit.close_probe()
+            if first and fit.plan.full_samples and trainer.is_global_zero:  # `T`, for the next process to warm up to
+                remember_step(resolve_cache_dir(self._cache_dir), profile, fit.plan.full_step)
+            if fit.schedule.selects_at_epoch_start(end):
                 fit.pending_selection = True
             else:
                 self._select_and_apply(trainer, pl_module)

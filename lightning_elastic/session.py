@@ -89,6 +89,7 @@ class FitSession:
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
     cold: bool = False  # this process did not time its profile (a cached one): its first window may still warm up
+    warm_step: float = 0.0  # a warm process's full step, as a fit with this profile measured it (0: not known)
     ran_on: int = 0  # steps the first window ran on past its length (`runs_on`)
     cheapest: Mask | None = None  # what the first window's warm-up steps train (`warm_up`); None: every tensor
     cheap: bool = False  # the step in progress trains `cheapest`
@@ -130,6 +131,7 @@ class FitSession:
             latest=[0.0] * len(params),
             compiled=is_compiled(pl_module),
             cheapest=None if is_compiled(pl_module) else cheapest,  # a new trainable set would recompile
+            warm_step=prof.t_step,
         )
 
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
@@ -211,7 +213,7 @@ class FitSession:
         warming = (
             self.cold
             and not self.schedule.selects_at_epoch_start(step - self.ran_on)
-            and cold_window_runs_on(self.probe_full, self.plan.full_step, self.ran_on, room)
+            and cold_window_runs_on(self.probe_full, self.warm_reference, self.ran_on, room)
         )
         votes = torch.tensor([float(warming)], dtype=torch.float64, device=self.params[0].device)
         if float(trainer.strategy.reduce(votes, reduce_op="sum").item()) == 0.0:
@@ -226,6 +228,12 @@ class FitSession:
         return windows.cheap_steps(self.schedule) if self.cheapest is not None else 0
 
     @property
+    def warm_reference(self) -> float:
+        """The full step a cold first window holds its steps against (`windows.COLD_CEILING`): the steady step a fit
+        with this profile measured (`TimingProfile.t_step`), else the plan's (the profile's pass, before samples)."""
+        return self.warm_step or self.plan.full_step
+
+    @property
     def in_first_window(self) -> bool:
         """No selection yet: the fit's first probe window, which its first selection closes before any other window
         opens (alike on every rank, unlike what each rank measured)."""
@@ -238,7 +246,7 @@ class FitSession:
         assert end is not None
         self.probe_end = None
         first = self.in_first_window
-        samples = steady_samples(self.probe_full, self.plan.full_step) if first and self.cold else self.probe_full
+        samples = steady_samples(self.probe_full, self.warm_reference) if first and self.cold else self.probe_full
         self.plan.observe_full_steps(samples)
         return end - self.ran_on if first else end
 

@@ -37,8 +37,9 @@ FIRST_STEADY_STEPS, FIRST_WINDOW_SHARE = 2, 0.10
 # up after WARMUP_STEPS: MiniLM on e-mails, a cached run's steps 5-6 took 0.86 s, 1.45x the profile's full
 # step (0.59 s), and a plain full fit's 0.77-0.80 s against 0.59-0.65 s from step 7 on; `T` came out 36% high and the
 # fit missed its speedup. So its first window runs on, a step at a time and at most COLD_STEPS steps, until
-# COLD_SAMPLES of its steady steps came within COLD_CEILING of the profile's full step; `T` is then those steps (all
-# of them when none came within: the device is slower than when profiled).
+# COLD_SAMPLES of its steady steps came within COLD_CEILING of a warm step (the steady step a fit with the profile
+# remembered, `TimingProfile.t_step`, else the profile's pass); `T` is then those steps (all of them when none came
+# within: the device is slower than when profiled).
 COLD_CEILING, COLD_SAMPLES, COLD_STEPS = 1.2, 2, 3
 
 
@@ -202,40 +203,40 @@ def late_first_window(schedule: Schedule) -> str | None:
     )
 
 
-def cold_window_runs_on(samples: list[float], profile_step: float, ran_on: int, room: float) -> bool:
+def cold_window_runs_on(samples: list[float], warm_step: float, ran_on: int, room: float) -> bool:
     """Whether the first window of a process that did not time its profile runs on one step more (see COLD_STEPS).
 
     Args:
         samples: seconds of the window's steady full steps so far (after the warm-up steps).
-        profile_step: the profile's full step.
+        warm_step: a warm process's full step (`FitSession.warm_reference`).
         ran_on: steps the window already ran on past its length.
         room: optimizer steps from now until the schedule changes the trainable set anyway.
 
     Example:
-        >>> cold_window_runs_on([0.86, 0.86], profile_step=0.59, ran_on=0, room=40)  # still warming up
+        >>> cold_window_runs_on([0.86, 0.86], warm_step=0.59, ran_on=0, room=40)  # still warming up
         True
-        >>> cold_window_runs_on([0.86, 0.86, 0.60, 0.62], profile_step=0.59, ran_on=2, room=38)
+        >>> cold_window_runs_on([0.86, 0.86, 0.60, 0.62], warm_step=0.59, ran_on=2, room=38)
         False
-        >>> cold_window_runs_on([0.86, 0.86], profile_step=0.59, ran_on=0, room=6)  # too near the next change
+        >>> cold_window_runs_on([0.86, 0.86], warm_step=0.59, ran_on=0, room=6)  # too near the next change
         False
     """
-    steady = len(_within_ceiling(samples, profile_step))
+    steady = len(_within_ceiling(samples, warm_step))
     return bool(samples) and steady < COLD_SAMPLES and ran_on < COLD_STEPS and room > first_window()
 
 
-def steady_samples(samples: list[float], profile_step: float) -> list[float]:
-    """The samples of `T` of a first window that ran on (`cold_window_runs_on`): those within COLD_CEILING of the
-    profile's full step, or all of them when none is (the device is slower than when it was profiled).
+def steady_samples(samples: list[float], warm_step: float) -> list[float]:
+    """The samples of `T` of a first window that ran on (`cold_window_runs_on`): those within COLD_CEILING of a
+    warm process's full step, or all of them when none is (the device is slower than when it was profiled).
 
     Example:
-        >>> steady_samples([0.86, 0.86, 0.60, 0.62], profile_step=0.59)
+        >>> steady_samples([0.86, 0.86, 0.60, 0.62], warm_step=0.59)
         [0.6, 0.62]
-        >>> steady_samples([0.77, 0.78, 0.76], profile_step=0.59)
+        >>> steady_samples([0.77, 0.78, 0.76], warm_step=0.59)
         [0.77, 0.78, 0.76]
     """
-    return _within_ceiling(samples, profile_step) or list(samples)
+    return _within_ceiling(samples, warm_step) or list(samples)
 
 
-def _within_ceiling(samples: list[float], profile_step: float) -> list[float]:
-    """The samples within COLD_CEILING of the profile's full step: a warm process's steps."""
-    return [s for s in samples if s <= COLD_CEILING * profile_step]
+def _within_ceiling(samples: list[float], warm_step: float) -> list[float]:
+    """The samples within COLD_CEILING of a warm process's full step: a warm process's steps."""
+    return [s for s in samples if s <= COLD_CEILING * warm_step]

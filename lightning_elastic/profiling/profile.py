@@ -10,7 +10,7 @@ import platform
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -53,6 +53,9 @@ class TimingProfile:
         t_tail: seconds that every non-empty selection adds to ``t_fw``: backward of the loss and of the
             ops after the last tensor, graph recording of those ops and the autograd engine's start.
         profile_seconds: seconds that measuring this profile took.
+        t_step: seconds of a steady full training step (forward, backward and the optimizer's update of every
+            tensor) that a fit with this profile measured in its first probe window (`remember_step`); 0 until one
+            did. A later process's first window knows by it when it is warm (`windows.cold_window_runs_on`).
 
     Example:
         >>> p = TimingProfile(names=("a", "b"), t_dw=(2.0, 1.0), t_dy=(0.0, 3.0), t_fw=4.0, t_full=10.0,
@@ -74,6 +77,7 @@ class TimingProfile:
     numel: tuple[int, ...]
     t_tail: float = 0.0
     profile_seconds: float = 0.0
+    t_step: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -84,7 +88,7 @@ class TimingProfile:
         ]
         if len(set(self.names)) != n:
             problems.append("`names` must be unique")
-        times = {"t_fw": self.t_fw, "t_full": self.t_full, "t_tail": self.t_tail}
+        times = {"t_fw": self.t_fw, "t_full": self.t_full, "t_tail": self.t_tail, "t_step": self.t_step}
         times.update({f"t_dw[{i}]": v for i, v in enumerate(self.t_dw)})
         times.update({f"t_dy[{i}]": v for i, v in enumerate(self.t_dy)})
         problems += [
@@ -142,6 +146,7 @@ class TimingProfile:
             "method": self.method,
             "numel": list(self.numel),
             "profile_seconds": self.profile_seconds,
+            "t_step": self.t_step,
         }
 
     @classmethod
@@ -179,6 +184,9 @@ class TimingProfile:
             if not _is_kind(data.get(key), float):
                 raise ValueError(f'`data["{key}"]` must be a number. Found: {data.get(key)!r}')
             kwargs[key] = float(data[key])
+        if not _is_kind(data.get("t_step", 0.0), float):  # files written before fits remembered their step lack it
+            raise ValueError(f'`data["t_step"]` must be a number. Found: {data.get("t_step")!r}')
+        kwargs["t_step"] = float(data.get("t_step", 0.0))
         for key in ("device", "fingerprint", "method"):
             if not isinstance(data.get(key), str):
                 raise ValueError(f'`data["{key}"]` must be a string. Found: {data.get(key)!r}')
@@ -274,6 +282,29 @@ def load_cached(path: Path, fingerprint: str) -> TimingProfile | None:
         )
         return None
     return prof
+
+
+def cache_file(cache_dir: Path, fingerprint: str) -> Path:
+    """Where the cache keeps the profile of `fingerprint`.
+
+    Example:
+        >>> cache_file(Path("/cache"), "0123456789abcdef0123456789abcdef").name
+        'timing-0123456789abcdef01234567.json'
+    """
+    return cache_dir / f"timing-{fingerprint[:24]}.json"
+
+
+def remember_step(cache_dir: Path | None, prof: TimingProfile, seconds: float) -> bool:
+    """Keep `seconds`, a steady full training step measured with `prof`, as `t_step` in the cache's entry of the
+    same fingerprint (only an entry there already: a profile given by the user or a checkpoint enters no cache, and
+    the entry's timings stay as they were). Whether it wrote."""
+    if cache_dir is None or not 0 < seconds < math.inf:
+        return False
+    path = cache_file(cache_dir, prof.fingerprint)
+    if (cached := load_cached(path, prof.fingerprint)) is None:
+        return False
+    store(path, replace(cached, t_step=seconds))
+    return True
 
 
 def store(path: Path, prof: TimingProfile) -> None:

@@ -13,7 +13,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling.passes import PHASES, Progress, Runner
-from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, cache_key, device_name, load_cached, store
+from lightning_elastic.profiling.profile import (
+    TimingMethod,
+    TimingProfile,
+    cache_file,
+    cache_key,
+    device_name,
+    load_cached,
+    store,
+)
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
 from lightning_elastic.timing import DeviceClock
 
@@ -96,7 +104,7 @@ def profile(
             fingerprint = runner.fingerprint(method)
         else:
             fingerprint = cache_key(signature, runner.device, runner.candidates, method)
-        path = None if cache_dir is None else Path(cache_dir) / f"timing-{fingerprint[:24]}.json"
+        path = None if cache_dir is None else cache_file(Path(cache_dir), fingerprint)
         cached = None if path is None else load_cached(path, fingerprint)
         if cached is not None:
             return cached

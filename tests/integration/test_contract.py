@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -18,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic import ElasticTensorSelection, planner, reporting, session, windows
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling.profile import cache_file, read_profile, store
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
@@ -215,6 +217,42 @@ def test_the_first_windows_warm_up_steps_train_the_cheapest_selection_and_only_s
     assert callback.history[0].full_seconds == pytest.approx(PROFILE.t_full)  # steps 4-5 (1.0x), not 1.6x
     assert callback._fit is not None and callback._fit.schedule.probe_steps_between(6, 120) == 0
     assert callback.summary()["probe_steps"] == 3
+
+
+@pytest.mark.parametrize("remembered", [False, True])
+def test_a_cold_first_window_holds_its_steps_against_the_steady_step_a_fit_remembered(remembered: bool) -> None:
+    """A cached profile whose pass came out high (the device's steady step is 0.8 of it) and a process still warming
+    up for 6 steps (at 1.4x its steady step: 1.12 of the pass). Held against the pass, the warming steps count as
+    warm and `T` comes out 40% high (the reference, before: MiniLM's cached seed 0, `T` 18% high). Held against the
+    steady step a fit with this profile measured (`t_step`), the window runs on until 2 steady steps came, and `T`
+    is exactly the steady step."""
+    steady = 0.8 * PROFILE.t_full
+    prof = dataclasses.replace(PROFILE, t_step=steady if remembered else 0.0)
+    device = VirtualDevice(0.8, slow=(windows.WARMUP_STEPS + 2, 1.4))
+    callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=prof, clock=device.clock)
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[device, callback], max_steps=60, max_epochs=-1).fit(TinyNet(), tiny_data())
+    fit = callback._fit
+    assert fit is not None and fit.cold
+    if not remembered:
+        assert fit.ran_on == 0 and callback.history[0].full_seconds == pytest.approx(1.4 * steady)
+        return
+    assert fit.ran_on == 2 and callback.history[0].step == windows.first_window() + 2
+    assert callback.history[0].full_seconds == pytest.approx(steady)
+
+
+def test_a_fit_remembers_its_steady_full_step_in_the_cache_entry_of_its_profile(tmp_path: Path) -> None:
+    """The first window's `T` goes into the cache's entry of the profile as `t_step` (its timings as they were), for
+    the next process's first window to warm up to."""
+    store(cache_file(tmp_path, PROFILE.fingerprint), PROFILE)
+    device = VirtualDevice(1.3)
+    callback = ElasticTensorSelection(
+        speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock, cache_dir=tmp_path
+    )
+    tiny_trainer(callbacks=[device, callback], max_steps=40, max_epochs=-1).fit(TinyNet(), tiny_data())
+    kept = read_profile(cache_file(tmp_path, PROFILE.fingerprint))
+    assert kept.t_step == pytest.approx(1.3 * PROFILE.t_full) and kept.t_step == callback.history[0].full_seconds
+    assert dataclasses.replace(kept, t_step=0.0) == PROFILE
 
 
 @pytest.mark.parametrize("profiled", [False, True])

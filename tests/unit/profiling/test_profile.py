@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
+from lightning_elastic.profiling.profile import cache_file, read_profile, remember_step
 from tests.unit.profiling.fakes import small
 
 
@@ -127,3 +130,23 @@ def test_fingerprint_depends_on_the_graph(tmp_path: Path, change: Callable[[_Swi
     assert len(list(tmp_path.iterdir())) == 2
     again = profile(net, lambda: net(x).sum(), cache_dir=tmp_path, repeats=1)
     assert again == changed  # the changed model's own profile is found in the cache
+
+
+def test_a_fits_steady_step_goes_into_the_cache_entry_of_its_profile_and_nowhere_else(tmp_path: Path) -> None:
+    """`remember_step` writes `t_step` into the entry of the profile's fingerprint and changes nothing else in it (the
+    profile it is given may be the user's, with other timings); a profile with no entry (given by the user, or no
+    cache) enters none. Files written before `t_step` existed read as 0 (not known)."""
+    net, loss_fn = small()
+    cached = profile(net, loss_fn, cache_dir=tmp_path, repeats=1)
+    path = cache_file(tmp_path, cached.fingerprint)
+    given = dataclasses.replace(cached, t_full=2 * cached.t_full)  # the same model's profile, timed elsewhere
+    assert remember_step(tmp_path, given, 0.25)
+    assert read_profile(path) == dataclasses.replace(cached, t_step=0.25)
+    assert profile(net, loss_fn, cache_dir=tmp_path, repeats=1).t_step == 0.25  # what the next process reads
+    other = dataclasses.replace(cached, fingerprint="f" * 64)
+    assert not remember_step(tmp_path, other, 0.25) and not cache_file(tmp_path, other.fingerprint).exists()
+    assert not remember_step(None, cached, 0.25) and not remember_step(tmp_path, cached, math.nan)
+    older = {k: v for k, v in cached.to_dict().items() if k != "t_step"}
+    assert TimingProfile.from_dict(older).t_step == 0.0
+    with pytest.raises(ValueError, match=r'`data\["t_step"\]` must be a number'):
+        TimingProfile.from_dict({**older, "t_step": "fast"})
