@@ -242,7 +242,7 @@ class ElasticTensorSelection(Callback):
         resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
-        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule, fit.cheap_steps, fit.cold)
+        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule)
         fit.charge_start(profile_seconds + self._clock() - started)
         return fit
 
@@ -276,8 +276,6 @@ class ElasticTensorSelection(Callback):
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0
         if first_of_step and fit.probe_end is None and (end := fit.schedule.window_end(step)) is not None:
             fit.open_probe(trainer, end)
-        if first_of_step:
-            fit.warm_up(pl_module, step)
         for name, value in reporting.progress_metrics(fit.probe_end is not None, fit.mask).items():
             pl_module.log(name, value, prog_bar=True, logger=False, batch_size=1)  # the progress bar only
 

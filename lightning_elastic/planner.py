@@ -174,7 +174,6 @@ def reach(
     total_steps: int | None,
     profile_seconds: float,
     full_step: float,
-    cheap_steps: int = 0,
 ) -> Reach:
     """What a fit can reach: probe steps at full cost, every other step at the cheapest selection.
 
@@ -185,8 +184,6 @@ def reach(
         total_steps: optimizer steps of the fit; None counts per step (fit length unknown, or no plan to keep).
         profile_seconds: what profiling took this run.
         full_step: the profile's full step, the unit of `profile_seconds` in the plan.
-        cheap_steps: steps of the first window that train the cheapest selection (`windows.cheap_steps`), not every
-            tensor: they count as selected steps.
 
     Example:
         >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
@@ -198,7 +195,7 @@ def reach(
     profile_steps = profile_seconds / model.full
     if total_steps is None:
         return Reach(floor, 1.0 / floor, 1.0 / floor, "(per step)", profile_seconds, profile_steps)
-    probes = schedule.probe_steps_between(0, total_steps) - cheap_steps
+    probes = schedule.probe_steps_between(0, total_steps)
     return Reach(
         floor=floor,
         reachable=reachable_speedup(total_steps, probes, 0.0, floor),

@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.inspection import module_rows, profile_table
 from lightning_elastic.planner import WallClockPlan, at_most
@@ -52,16 +51,8 @@ def contract_metrics(plan: WallClockPlan) -> dict[str, float]:
     }
 
 
-def start_message(
-    profile: TimingProfile,
-    speedup: float,
-    total_steps: int | None,
-    schedule: Schedule,
-    cheap: int = 0,
-    cold: bool = False,
-) -> str:
-    r"""What the fit starts with: the profile's figures, the target and the schedule (with the first window's `cheap`
-    steps that train the cheapest selection, and whether it may run on while a `cold` process warms up).
+def start_message(profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule) -> str:
+    r"""What the fit starts with: the profile's figures, the target and the schedule.
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
@@ -70,38 +61,21 @@ def start_message(
         ElasticTensorSelection: 1 tensors profiled on cpu (full forward+backward 7.0 ms, forward 4.0 ms)
         target speedup 2 for the fit's 120 optimizer steps
         3 probe steps before the first selection, 3 before every 1 of the selections every 1 epoch(s)
-        >>> message = start_message(p, 2.0, 120, Schedule(1, "epoch", 3, first_probe_steps=6), cheap=3, cold=True)
-        >>> print(message.split("; ", 2)[2].replace("; ", "\n").replace(", 3 before", "\n3 before"))
-        6 probe steps before the first selection (3 of them, as the process warms up, train the cheapest selection
-        up to 3 more while a process with a cached profile warms up)
-        3 before every 1 of the selections every 1 epoch(s)
     """
     steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
-    notes = [f"{cheap} of them, as the process warms up, train the cheapest selection"] if cheap else []
-    if cold:
-        notes.append(f"up to {windows.COLD_STEPS} more while a process with a cached profile warms up")
-    first = f"{schedule.first_steps} probe steps before the first selection"
-    if notes:
-        first += f" ({'; '.join(notes)})"
     return (
         f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
         f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
-        f"the fit's {steps}; {first}, {schedule.probe_steps} before every {schedule.probe_every} of the selections "
-        f"every {schedule.interval} {schedule.unit}(s)"
+        f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection, {schedule.probe_steps} "
+        f"before every {schedule.probe_every} of the selections every {schedule.interval} {schedule.unit}(s)"
     )
 
 
 def announce(
-    trainer: L.Trainer,
-    profile: TimingProfile,
-    speedup: float,
-    total_steps: int | None,
-    schedule: Schedule,
-    cheap: int = 0,
-    cold: bool = False,
+    trainer: L.Trainer, profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule
 ) -> None:
     """The start message to the console; the profile's table and the charts to TensorBoard."""
-    rank_zero_info(start_message(profile, speedup, total_steps, schedule, cheap, cold))
+    rank_zero_info(start_message(profile, speedup, total_steps, schedule))
     for writer in tensorboard_writers(trainer):
         writer.add_text("elastic/profile", profile_table(profile), trainer.global_step)
         writer.add_custom_scalars(CHARTS)

@@ -36,7 +36,6 @@ from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import Mask, SelectionRecord, StepTerms
 from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
-from lightning_elastic.selector import decide
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
@@ -91,8 +90,6 @@ class FitSession:
     cold: bool = False  # this process did not time its profile (a cached one): its first window may still warm up
     warm_step: float = 0.0  # a warm process's full step, as a fit with this profile measured it (0: not known)
     ran_on: int = 0  # steps the first window ran on past its length (`runs_on`)
-    cheapest: Mask | None = None  # what the first window's warm-up steps train (`warm_up`); None: every tensor
-    cheap: bool = False  # the step in progress trains `cheapest`
 
     @classmethod
     def start(
@@ -114,8 +111,6 @@ class FitSession:
         required, forbidden = pins(prof.names, params, train_always, ())
         check_dense(pl_module, prof.names, forbidden)
         device = pl_module.device
-        model = StepTimeModel.from_profile(prof)
-        cheapest = decide(model, [1.0] * len(params), 0.0, required=required, forbidden=forbidden).mask
         return cls(
             schedule=schedule,
             names=prof.names,
@@ -130,7 +125,6 @@ class FitSession:
             plan=plan,
             latest=[0.0] * len(params),
             compiled=is_compiled(pl_module),
-            cheapest=None if is_compiled(pl_module) else cheapest,  # a new trainable set would recompile
             warm_step=prof.t_step,
         )
 
@@ -140,12 +134,11 @@ class FitSession:
         alone would put the asked speedup out of this fit's reach."""
         total = self.plan.total_steps if calibrate else None
         model = StepTimeModel.from_profile(prof)
-
-        def reach_of(schedule: Schedule) -> Reach:
-            cheap = windows.cheap_steps(schedule) if self.cheapest is not None else 0
-            return reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full, cheap)
-
-        self.schedule, limit = reach_shortening(self.schedule, self.plan.speedup, reach_of)
+        self.schedule, limit = reach_shortening(
+            self.schedule,
+            self.plan.speedup,
+            lambda schedule: reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full),
+        )
         return limit
 
     def charge_start(self, seconds: float) -> None:
@@ -179,19 +172,6 @@ class FitSession:
         self.set_trainable([not f for f in self.forbidden])
         self.bn_frozen = apply_bn_policy(trainer.lightning_module, self.bn_policy, self.bn_frozen)
 
-    def warm_up(self, pl_module: nn.Module, step: int) -> None:
-        """As optimizer step `step` begins: in a first probe window longer than the others (auto's, to time `T`), the
-        process's warm-up steps after its first train the cheapest selection (`windows.trains_cheaply`), the window's
-        other steps every candidate tensor."""
-        end, cheapest = self.probe_end, self.cheapest
-        first = end is not None and self.in_first_window and self.schedule.first_probe_steps > 0
-        cheap = first and cheapest is not None and windows.trains_cheaply(self.steps_timed, step, end or 0)
-        if cheap != self.cheap:
-            self.cheap = cheap
-            everything = [not f for f in self.forbidden]
-            self.set_trainable(cheapest if cheap and cheapest is not None else everything)
-            self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
-
     def set_trainable(self, mask: Sequence[bool]) -> None:
         """Set `requires_grad` to `mask`; if that changes the trainable set of a compiled model (or dynamo compiled
         in this fit), the next step warms up (torch.compile guards on `requires_grad`). An eager step with a new set
@@ -221,11 +201,6 @@ class FitSession:
         self.ran_on += 1
         self.probe_end = step + 1
         return True
-
-    @property
-    def cheap_steps(self) -> int:
-        """Steps of the first window that train the cheapest selection (`warm_up`): none for a compiled module."""
-        return windows.cheap_steps(self.schedule) if self.cheapest is not None else 0
 
     @property
     def warm_reference(self) -> float:
@@ -260,8 +235,6 @@ class FitSession:
             return  # before the first window opens nothing has been set yet
         probing = self.probe_end is not None or self.pending_selection
         expected = [not f for f in self.forbidden] if probing or self.mask is None else list(self.mask)
-        if self.cheap and self.cheapest is not None:
-            expected = list(self.cheapest)
         refuse_changed(self.params, expected, self.names)
 
     def before_optimizer_step(self) -> None:
@@ -283,7 +256,7 @@ class FitSession:
         optimizer = math.fsum(self.optimizer_timer.pop())
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1
-        if self.probe_end is not None and not self.cheap:  # every probe step is the callback's own, warm-up or not
+        if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
             self.totals["probe_seconds"] += seconds - overhead
             self.totals["probe_steps"] += 1
         if self.warming or self.steps_timed == 1:  # what the fit's first step, or a new set's, compiled is the fit's

@@ -5,8 +5,6 @@ steps time the full step `T` of the wall-clock plan (`planner.WallClockPlan`). `
 `Schedule`: with `probe_steps="auto"` windows cost a small share of the fit (`auto_probe_plan`), the first long
 enough to time steady steps after the process's warm-up steps when the fit can pay for it. In a process that did
 not time its profile (a cached one), that first window runs on while it is still warming up (`cold_window_runs_on`).
-The first window's warm-up steps after the process's first train the cheapest selection (`trains_cheaply`): they are
-no samples of `T`, and importance needs only some of the window's steps.
 """
 
 from __future__ import annotations
@@ -43,12 +41,6 @@ FIRST_STEADY_STEPS, FIRST_WINDOW_SHARE = 2, 0.10
 COLD_CEILING, COLD_SAMPLES, COLD_STEPS = 1.2, 2, 3
 
 
-# The first window's warm-up steps after the process's first step train the cheapest selection, not every tensor:
-# they are no samples of `T`, and importance is measured by the window's full steps (the process's first, where
-# profiling runs, and the steady ones). So the default first window has 3 full steps, not 6: timing `T` costs one
-# full step more than the window of 2 warm-up steps that `planner.reach_shortening` cuts a long window back to.
-
-
 def first_window() -> int:
     """Optimizer steps of the first probe window that measures `T`: the process's warm-up steps, then steady ones.
 
@@ -57,35 +49,6 @@ def first_window() -> int:
         6
     """
     return WARMUP_STEPS + FIRST_STEADY_STEPS
-
-
-def trains_cheaply(done: int, step: int, window_end: int) -> bool:
-    """Whether optimizer step `step` of the first probe window (ending at `window_end`) trains the cheapest selection:
-    it is one of the process's warm-up steps after its first (`done` steps measured before it), and the window still
-    has FIRST_STEADY_STEPS full steps after the warm-up. A window of warm-up steps only trains every tensor throughout.
-
-    Example:
-        >>> [trains_cheaply(done=k, step=k, window_end=6) for k in range(6)]  # the default first window
-        [False, True, True, True, False, False]
-        >>> [trains_cheaply(done=k, step=k, window_end=2) for k in range(2)]  # cut back to warm-up steps only
-        [False, False]
-    """
-    return 1 <= done < WARMUP_STEPS and window_end - step - (WARMUP_STEPS - done) >= FIRST_STEADY_STEPS
-
-
-def cheap_steps(schedule: Schedule) -> int:
-    """Steps of the schedule's first window, opened by a fresh process at its first step, that train the cheapest
-    selection (`trains_cheaply`): only a first window longer than the others (`auto_probe_plan`'s, which is there to
-    time `T`), never an asked `probe_steps`. Planned at the cost of a selected step, not of a full one.
-
-    Example:
-        >>> cheap_steps(Schedule(1, "epoch", 2, first_probe_steps=6)), cheap_steps(Schedule(1, "epoch", 2))
-        (3, 0)
-        >>> cheap_steps(Schedule(1, "epoch", 42))  # as asked: every tensor throughout
-        0
-    """
-    end = schedule.first_probe_steps
-    return sum(trains_cheaply(k, k, end) for k in range(end))
 
 
 @dataclass(frozen=True)

@@ -106,28 +106,6 @@ def test_a_compiled_fit_compiles_one_graph_per_change_of_the_trainable_set(form:
     assert callback.summary()["compiled_graphs"] == 4
 
 
-@pytest.mark.parametrize("form", ("eager", *FORMS))
-def test_the_auto_first_window_of_a_compiled_fit_trains_every_tensor_at_every_step(form: str) -> None:
-    """An eager fit's auto first window trains the cheapest selection on the process's warm-up steps; a compiled fit
-    would compile two graphs more for them, so its window trains every tensor throughout: one graph for the window,
-    one per selection. Before: a submodule compiled in place (`Module.compile()`, its type unchanged) was taken for
-    eager, and its first window compiled three graphs."""
-    model, module = (Quiet(), None) if form == "eager" else compiled(form)
-    callback = ElasticTensorSelection(
-        speedup=1.6, interval=30, interval_unit="step", profile=synthetic_profile(module or model), calibrate=False
-    )
-    graphs = Graphs()
-    tiny_trainer(callbacks=[callback, graphs], max_steps=40, max_epochs=-1).fit(model, tiny_data())  # type: ignore[arg-type]
-    first = callback.history[0].step
-    window = graphs.sets[:first]
-    changes = sum(1 for a, b in zip(graphs.sets, graphs.sets[1:], strict=False) if a != b)
-    if form == "eager":  # the reference: steps 1-3 train the cheapest selection
-        assert first == 6 and [all(s) for s in window] == [True, False, False, False, True, True]
-        return
-    assert first == 6 and all(all(s) for s in window) and changes == 1
-    assert compiled_graphs() - graphs.at_fit_start == 2 and callback.summary()["compiled_graphs"] == 2
-
-
 def test_compiled_module_runs_the_new_selection() -> None:
     callback = elastic()
     recorder = Recorder()

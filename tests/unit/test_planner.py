@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_elastic import planner, windows
+from lightning_elastic import planner
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.schedule import Schedule
@@ -135,24 +135,6 @@ def test_a_long_first_window_that_alone_puts_the_speedup_out_of_reach_is_cut_bac
     # at 1.9x the long window fits: it stays
     kept, _ = reach_shortening(auto, 1.9, reach_of)
     assert kept is auto
-
-
-def test_the_first_windows_cheap_warm_up_steps_count_at_the_cheapest_step_so_a_long_window_stays() -> None:
-    """The long first window's 3 warm-up steps after the first train the cheapest selection (`windows.cheap_steps`):
-    3 of its 6 steps cost a full step, by hand 90 / (3 + 87 x 0.475) = 2.01 >= 2, so the window of the previous test
-    (cut back there, where all 6 counted at full cost) stays and times `T`."""
-    model = StepTimeModel(t_dw=(1.0, 0.0), t_dy=(0.0, 0.0), t_fixed=0.475 / 0.525)
-    auto = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(45,), total_steps=90)
-    assert isinstance(auto, Schedule) and windows.cheap_steps(auto) == 3
-
-    def reach_of(schedule: Schedule) -> Reach:
-        cheap = windows.cheap_steps(schedule)
-        return reach(model, [False] * 2, [False] * 2, schedule, 90, 0.0, model.full, cheap_steps=cheap)
-
-    kept, fit = reach_shortening(auto, 2.0, reach_of)
-    assert kept is auto and fit.this_fit == pytest.approx(90 / (3 + 87 * 0.475))
-    assert fit.scope == "in a fit of 90 steps with 3 probe steps at full cost"
-    assert fit.selected_share == pytest.approx(87 / 90)
 
 
 def test_reachable_speedup_by_hand() -> None:
