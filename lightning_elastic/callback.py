@@ -308,8 +308,10 @@ class ElasticTensorSelection(Callback):
             if fit.runs_on(trainer, step):
                 return
             first, end = fit.in_first_window, fit.close_probe()
-            if first and fit.plan.full_samples and trainer.is_global_zero:  # `T`, for the next process to warm up to
+            if first and not fit.cold and fit.plan.full_samples and trainer.is_global_zero:
+                started = self._clock()  # `T`, for a later process to warm up to (a cold one's may be unsettled)
                 remember_step(resolve_cache_dir(self._cache_dir), profile, fit.plan.full_step)
+                fit.charge_start(self._clock() - started)
             if fit.schedule.selects_at_epoch_start(end):
                 fit.pending_selection = True
             else:

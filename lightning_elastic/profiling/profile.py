@@ -294,17 +294,24 @@ def cache_file(cache_dir: Path, fingerprint: str) -> Path:
     return cache_dir / f"timing-{fingerprint[:24]}.json"
 
 
-def remember_step(cache_dir: Path | None, prof: TimingProfile, seconds: float) -> bool:
+def remember_step(cache_dir: Path | None, prof: TimingProfile, seconds: float) -> None:
     """Keep `seconds`, a steady full training step measured with `prof`, as `t_step` in the cache's entry of the
-    same fingerprint (only an entry there already: a profile given by the user or a checkpoint enters no cache, and
-    the entry's timings stay as they were). Whether it wrote."""
+    same fingerprint: only an entry there already (a profile given by the user or a checkpoint enters no cache), its
+    timings as they were. An entry that cannot be read or written is left as it is, with a warning: the fit goes on.
+    """
     if cache_dir is None or not 0 < seconds < math.inf:
-        return False
+        return
     path = cache_file(cache_dir, prof.fingerprint)
-    if (cached := load_cached(path, prof.fingerprint)) is None:
-        return False
-    store(path, replace(cached, t_step=seconds))
-    return True
+    try:
+        if not path.exists() or (cached := read_profile(path)).fingerprint != prof.fingerprint:
+            return
+        store(path, replace(cached, t_step=seconds))
+    except (OSError, ValueError) as err:  # a stale format is a ValueError too
+        warnings.warn(
+            f"Timing profile cache {path} could not keep this fit's steady full step ({err}); a later process with "
+            "this profile warms up against the profile's own full step.",
+            stacklevel=2,
+        )
 
 
 def store(path: Path, prof: TimingProfile) -> None:

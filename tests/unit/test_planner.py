@@ -9,6 +9,7 @@ import pytest
 from lightning_elastic import planner
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
+from lightning_elastic.records import Decision, Mask
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
@@ -316,3 +317,25 @@ def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_sele
         f"alone. At most {at_most(fit.leaving(planner.NARROW_ROOM))}x leaves 5%; a longer fit, or the cached profile "
         "of a later fit, leaves more."
     )
+
+
+@pytest.mark.parametrize(
+    ("ratio", "mask", "forbidden", "predicted", "starved", "due"),
+    [
+        (1.2, (True, False, False), (False,) * 3, 1.0, False, True),  # slower than planned, a larger set was free
+        (0.8, (True, False, False), (False,) * 3, 1.0, False, True),  # faster, and time bound the choice
+        (1.0 + planner.REPLAN_TOLERANCE * 0.99, (True, False, False), (False,) * 3, 1.0, False, False),  # within
+        (1.0 - planner.REPLAN_TOLERANCE * 1.01, (True, False, False), (False,) * 3, 1.0, False, True),  # just over
+        (1.5, (True, False, False), (False,) * 3, 1.2, True, False),  # the cheapest set running slow: nothing smaller
+        (0.5, (True, True, False), (False, False, True), 1.0, False, False),  # faster, but every allowed tensor trains
+        (0.5, (True, False, False), (False,) * 3, 0.85, False, False),  # faster, but time did not bind (unhurried)
+        (1.5, (True, False, False), (False,) * 3, 0.85, False, True),  # slower: the set may have to shrink
+    ],
+)
+def test_a_selection_is_replanned_when_it_runs_off_plan_and_a_new_one_could_differ(
+    ratio: float, mask: tuple[bool, ...], forbidden: tuple[bool, ...], predicted: float, starved: bool, due: bool
+) -> None:
+    """`replan_due` against the rule written out: off by more than REPLAN_TOLERANCE, and not a slow cheapest set,
+    nor a fast one that every allowed tensor, or a target it did not reach, limited (target 1.0 s)."""
+    decision = Decision(Mask.of(mask), (1.0,) * 3, predicted_seconds=predicted, target_seconds=1.0, starved=starved)
+    assert planner.replan_due(ratio, decision, Mask.of(forbidden)) is due

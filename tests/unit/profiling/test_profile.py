@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import warnings
@@ -140,13 +141,38 @@ def test_a_fits_steady_step_goes_into_the_cache_entry_of_its_profile_and_nowhere
     cached = profile(net, loss_fn, cache_dir=tmp_path, repeats=1)
     path = cache_file(tmp_path, cached.fingerprint)
     given = dataclasses.replace(cached, t_full=2 * cached.t_full)  # the same model's profile, timed elsewhere
-    assert remember_step(tmp_path, given, 0.25)
+    remember_step(tmp_path, given, 0.25)
     assert read_profile(path) == dataclasses.replace(cached, t_step=0.25)
     assert profile(net, loss_fn, cache_dir=tmp_path, repeats=1).t_step == 0.25  # what the next process reads
     other = dataclasses.replace(cached, fingerprint="f" * 64)
-    assert not remember_step(tmp_path, other, 0.25) and not cache_file(tmp_path, other.fingerprint).exists()
-    assert not remember_step(None, cached, 0.25) and not remember_step(tmp_path, cached, math.nan)
+    remember_step(tmp_path, other, 0.5)
+    remember_step(None, cached, 0.5)
+    remember_step(tmp_path, cached, math.nan)
+    assert not cache_file(tmp_path, other.fingerprint).exists() and read_profile(path).t_step == 0.25
     older = {k: v for k, v in cached.to_dict().items() if k != "t_step"}
     assert TimingProfile.from_dict(older).t_step == 0.0
     with pytest.raises(ValueError, match=r'`data\["t_step"\]` must be a number'):
         TimingProfile.from_dict({**older, "t_step": "fast"})
+
+
+def test_a_cache_entry_that_cannot_keep_the_steady_step_is_left_as_it_is_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A corrupt entry, or a cache the process cannot write (a read-only mount: `store` raising), warns and leaves the
+    file as it was; the fit goes on. Before: the write's error ended the fit at its first selection."""
+    net, loss_fn = small()
+    cached = profile(net, loss_fn, cache_dir=tmp_path, repeats=1)
+    path = cache_file(tmp_path, cached.fingerprint)
+
+    def read_only(*args: Any) -> None:
+        raise PermissionError(13, "Read-only file system")
+
+    # the module, not the package's `profile` function of the same name
+    monkeypatch.setattr(importlib.import_module("lightning_elastic.profiling.profile"), "store", read_only)
+    with pytest.warns(UserWarning, match=r"could not keep this fit's steady full step \(\[Errno 13\] Read-only"):
+        remember_step(tmp_path, cached, 0.25)
+    assert read_profile(path) == cached
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="could not keep this fit's steady full step"):
+        remember_step(tmp_path, cached, 0.25)
+    assert path.read_text() == "{not json"
