@@ -35,6 +35,7 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "plan": fit.plan.state_dict(),
         "selected_steps": list(fit.selected_steps),
         "probe_optimizer": list(fit.probe_optimizer),
+        "warm_optimizer": list(fit.warm_optimizer),
         "probe_full": list(fit.probe_full),
     }
 
@@ -71,6 +72,7 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
     fit.bn_frozen = list(state.get("bn_frozen", []))
     fit.selected_steps = [float(s) for s in state.get("selected_steps", [])]
     fit.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
+    fit.warm_optimizer = [float(s) for s in state.get("warm_optimizer", [])]
     fit.probe_full = [float(s) for s in state.get("probe_full", [])]
     if state.get("plan"):
         restored = WallClockPlan.from_state(state["plan"])
