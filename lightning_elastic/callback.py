@@ -302,15 +302,14 @@ class ElasticTensorSelection(Callback):
         if (fit := self._fit) is None or trainer.global_step == fit.step_at_batch_start:
             return  # off, or accumulating gradients: the optimizer step is still to come
         fit.after_optimizer_step()
-        step, profile = trainer.global_step, self._profile
-        assert profile is not None
+        step = trainer.global_step
         if fit.probe_end is not None and step >= fit.probe_end:
             if fit.runs_on(trainer, step):
                 return
             first, end = fit.in_first_window, fit.close_probe()
-            if first and not fit.cold and fit.plan.full_samples and trainer.is_global_zero:
+            if first and not fit.cold and fit.plan.full_samples and trainer.is_global_zero and self._profile:
                 started = self._clock()  # `T`, for a later process to warm up to (a cold one's may be unsettled)
-                remember_step(resolve_cache_dir(self._cache_dir), profile, fit.plan.full_step)
+                remember_step(resolve_cache_dir(self._cache_dir), self._profile, fit.plan.full_step)
                 fit.charge_start(self._clock() - started)
             if fit.schedule.selects_at_epoch_start(end):
                 fit.pending_selection = True

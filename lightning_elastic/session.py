@@ -224,12 +224,17 @@ class FitSession:
         first = self.in_first_window
         samples = steady_samples(self.probe_full, self.warm_reference) if first and self.cold else self.probe_full
         self.plan.observe_full_steps(samples)
-        if first and not self.plan.full_samples and self.warm_optimizer:
-            # A window of warm-up steps only leaves `T` the profile's pass, which lacks the optimizer's update (MiniLM:
-            # passes 0.52-0.57 s against a 0.60 s step; planned on the pass, 3 of 5 fits at 2x trained 2-5 tensors).
-            # An update's time is steady before the step's: the fastest warm-up update is the prior until a sample.
-            self.plan.full_step += min(self.warm_optimizer)
+        if first:
+            self.plan.full_step += self.prior_update  # 0 once the window measured a steady step
         return end - self.ran_on if first else end
+
+    @property
+    def prior_update(self) -> float:
+        """Until a steady full step is measured, the optimizer update that `T` (the profile's pass, which lacks it)
+        is planned with: the fastest update of the first window's warm-up steps (an update's time is steady before
+        the step's). MiniLM's passes came out 0.52-0.57 s against a 0.60 s step; planned on the pass alone, 3 of 5
+        fits at 2x whose window was all warm-up steps trained 2-5 tensors. 0 once `T` is measured."""
+        return min(self.warm_optimizer) if self.warm_optimizer and not self.plan.full_samples else 0.0
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.
@@ -310,12 +315,11 @@ class FitSession:
         self.evaluator.reset()
 
     def probe_figures(self, trainer: L.Trainer) -> tuple[float, float]:
-        """The full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus the fastest
-        update of the first window's warm-up steps, see `close_probe`) and its optimizer update (the steady probe
-        steps' mean, else that fastest update; 0 before any), averaged over ranks."""
-        optimizer = math.fsum(self.probe_optimizer) / len(self.probe_optimizer) if self.probe_optimizer else 0.0
-        if not self.probe_optimizer and self.warm_optimizer and not self.plan.full_samples:
-            optimizer = min(self.warm_optimizer)  # the prior of `close_probe`'s `T`
+        """The full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus
+        `prior_update`) and its optimizer update (the steady probe steps' mean, else `prior_update`), averaged over
+        ranks."""
+        probed = self.probe_optimizer
+        optimizer = math.fsum(probed) / len(probed) if probed else self.prior_update
         figures = torch.tensor([self.plan.full_step, optimizer], dtype=torch.float64, device=self.params[0].device)
         full, optimizer = trainer.strategy.reduce(figures, reduce_op="mean").cpu().tolist()
         return full, optimizer
