@@ -226,7 +226,7 @@ class ElasticTensorSelection(Callback):
 
         Its own seconds are charged with `profile_seconds` after a checkpoint's account is restored, which would
         otherwise drop them: a resumed fit pays for its own start. A process that did not time the profile (`timed`
-        False: a cached, given or restored one) is cold, and its first window may run on (`FitSession.runs_on`).
+        False: a cached, given or restored one) is cold, and its first window may run on (`windows.FirstWindow`).
         """
         started = self._clock()
         schedule, total_steps = self._schedule
@@ -235,7 +235,7 @@ class ElasticTensorSelection(Callback):
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
         fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
         self._fit = fit
-        fit.cold = not timed
+        fit.first.cold = not timed
         limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
@@ -307,7 +307,7 @@ class ElasticTensorSelection(Callback):
             if fit.runs_on(trainer, step):
                 return
             first, end = fit.in_first_window, fit.close_probe()
-            if first and not fit.cold and fit.plan.full_samples and trainer.is_global_zero and self._profile:
+            if first and not fit.first.cold and fit.plan.full_samples and trainer.is_global_zero and self._profile:
                 started = self._clock()  # `T`, for a later process to warm up to (a cold one's may be unsettled)
                 remember_step(resolve_cache_dir(self._cache_dir), self._profile, fit.plan.full_step)
                 fit.charge_start(self._clock() - started)

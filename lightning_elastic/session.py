@@ -39,7 +39,7 @@ from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
-from lightning_elastic.windows import cold_window_runs_on, steady_samples
+from lightning_elastic.windows import FirstWindow
 
 TOTALS = (
     "profile_seconds",
@@ -78,7 +78,6 @@ class FitSession:
     bn_frozen: list[str] = field(default_factory=list)
     probe_full: list[float] = field(default_factory=list)
     probe_optimizer: list[float] = field(default_factory=list)
-    warm_optimizer: list[float] = field(default_factory=list)  # updates of the first window's warm-up steps
     selected_steps: list[float] = field(default_factory=list)
     step_at_batch_start: int = -1
     warned_starved: bool = False
@@ -88,9 +87,7 @@ class FitSession:
     graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
-    cold: bool = False  # this process did not time its profile (a cached one): its first window may still warm up
-    warm_step: float = 0.0  # a warm process's full step, as a fit with this profile measured it (0: not known)
-    ran_on: int = 0  # steps the first window ran on past its length (`runs_on`)
+    first: FirstWindow = field(default_factory=FirstWindow)  # the process's warm-up, as the first window saw it
 
     @classmethod
     def start(
@@ -126,7 +123,7 @@ class FitSession:
             plan=plan,
             latest=[0.0] * len(params),
             compiled=is_compiled(pl_module),
-            warm_step=prof.t_step,
+            first=FirstWindow(warm_step=prof.t_step),
         )
 
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
@@ -185,29 +182,21 @@ class FitSession:
 
     def runs_on(self, trainer: L.Trainer, step: int) -> bool:
         """Whether the first probe window, ending at optimizer step `step`, runs on one step more: while a process
-        that did not time the profile (`cold`) is still warming up on any rank (`windows.cold_window_runs_on`). Every
-        rank votes, warm or cold, so that all run on alike and train the same tensors."""
+        that did not time the profile (`FirstWindow.cold`) is still warming up on any rank (`FirstWindow.runs_on`).
+        Every rank votes, warm or cold, so that all run on alike and train the same tensors."""
         if not self.in_first_window:
             return False
         room = self.schedule.steps_to_next_change(step)
         # a window whose selection waits for an epoch's start ends there: running on would skip that start
-        warming = (
-            self.cold
-            and not self.schedule.selects_at_epoch_start(step - self.ran_on)
-            and cold_window_runs_on(self.probe_full, self.warm_reference, self.ran_on, room)
+        warming = not self.schedule.selects_at_epoch_start(step - self.first.ran_on) and self.first.runs_on(
+            self.probe_full, self.plan.full_step, room
         )
         votes = torch.tensor([float(warming)], dtype=torch.float64, device=self.params[0].device)
         if float(trainer.strategy.reduce(votes, reduce_op="sum").item()) == 0.0:
             return False
-        self.ran_on += 1
+        self.first.ran_on += 1
         self.probe_end = step + 1
         return True
-
-    @property
-    def warm_reference(self) -> float:
-        """The full step a cold first window holds its steps against (`windows.COLD_CEILING`): the steady step a fit
-        with this profile measured (`TimingProfile.t_step`), else the plan's (the profile's pass, before samples)."""
-        return self.warm_step or self.plan.full_step
 
     @property
     def in_first_window(self) -> bool:
@@ -222,19 +211,16 @@ class FitSession:
         assert end is not None
         self.probe_end = None
         first = self.in_first_window
-        samples = steady_samples(self.probe_full, self.warm_reference) if first and self.cold else self.probe_full
+        samples = self.first.samples(self.probe_full, self.plan.full_step) if first else self.probe_full
         self.plan.observe_full_steps(samples)
         if first:
             self.plan.full_step += self.prior_update  # 0 once the window measured a steady step
-        return end - self.ran_on if first else end
+        return end - self.first.ran_on if first else end
 
     @property
     def prior_update(self) -> float:
-        """Until a steady full step is measured, the optimizer update that `T` (the profile's pass, which lacks it)
-        is planned with: the fastest update of the first window's warm-up steps (an update's time is steady before
-        the step's). MiniLM's passes came out 0.52-0.57 s against a 0.60 s step; planned on the pass alone, 3 of 5
-        fits at 2x whose window was all warm-up steps trained 2-5 tensors. 0 once `T` is measured."""
-        return min(self.warm_optimizer) if self.warm_optimizer and not self.plan.full_samples else 0.0
+        """The optimizer update `T` is planned with until a steady full step is measured (`FirstWindow`)."""
+        return self.first.prior_update(measured=bool(self.plan.full_samples))
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.
@@ -277,7 +263,7 @@ class FitSession:
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time
             # that `T` and the correction read.
             if self.probe_end is not None and self.steps_timed > 1 and not self.history:
-                self.warm_optimizer.append(optimizer)
+                self.first.updates.append(optimizer)
             self.warming = False
             self.totals["warmup_seconds"] += seconds
             self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)

@@ -212,7 +212,7 @@ def test_a_first_window_of_warm_up_steps_only_plans_with_the_pass_plus_the_updat
     trainer = tiny_trainer(callbacks=[device, callback, SlowUpdate(device, update)], max_steps=120, max_epochs=-1)
     trainer.fit(TinyNet(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.warm_optimizer == pytest.approx([update])
+    assert fit is not None and fit.first.updates == pytest.approx([update])
     assert callback.history[0].full_seconds == pytest.approx(PROFILE.t_full + update)
     full_fit = device.full_seconds + 120 * update
     assert full_fit / callback.summary()["spent_seconds"] == pytest.approx(1.5, rel=0.03)
@@ -232,11 +232,11 @@ def test_a_cold_first_window_holds_its_steps_against_the_steady_step_a_fit_remem
     torch.manual_seed(0)
     tiny_trainer(callbacks=[device, callback], max_steps=60, max_epochs=-1).fit(TinyNet(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.cold
+    assert fit is not None and fit.first.cold
     if not remembered:
-        assert fit.ran_on == 0 and callback.history[0].full_seconds == pytest.approx(1.4 * steady)
+        assert fit.first.ran_on == 0 and callback.history[0].full_seconds == pytest.approx(1.4 * steady)
         return
-    assert fit.ran_on == 2 and callback.history[0].step == windows.first_window() + 2
+    assert fit.first.ran_on == 2 and callback.history[0].step == windows.first_window() + 2
     assert callback.history[0].full_seconds == pytest.approx(steady)
 
 
@@ -275,12 +275,12 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     torch.manual_seed(0)
     tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.cold is not profiled
+    assert fit is not None and fit.first.cold is not profiled
     if profiled:
-        assert fit.ran_on == 0 and callback.history[0].step == windows.WARMUP_STEPS + 2
+        assert fit.first.ran_on == 0 and callback.history[0].step == windows.WARMUP_STEPS + 2
         assert callback.history[0].full_seconds == pytest.approx(1.45 * PROFILE.t_full)
         return
-    assert fit.ran_on == windows.COLD_SAMPLES and callback.history[0].step == windows.WARMUP_STEPS + 2 + 2
+    assert fit.first.ran_on == windows.COLD_SAMPLES and callback.history[0].step == windows.WARMUP_STEPS + 2 + 2
     assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     assert summary["probe_steps"] == fit.schedule.probe_steps_between(0, 96) + 2  # the two steps it ran on
