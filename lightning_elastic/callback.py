@@ -242,7 +242,7 @@ class ElasticTensorSelection(Callback):
         resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
-        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule)
+        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule, fit.first.cold)
         fit.charge_start(profile_seconds + self._clock() - started)
         return fit
 

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.inspection import module_rows, profile_table
 from lightning_elastic.planner import WallClockPlan, at_most
@@ -51,8 +52,11 @@ def contract_metrics(plan: WallClockPlan) -> dict[str, float]:
     }
 
 
-def start_message(profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule) -> str:
-    r"""What the fit starts with: the profile's figures, the target and the schedule.
+def start_message(
+    profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, cold: bool = False
+) -> str:
+    r"""What the fit starts with: the profile's figures, the target and the schedule; with `cold` (this process did
+    not time its profile), the steps its first window may run on while the process warms up (`windows.FirstWindow`).
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
@@ -63,19 +67,22 @@ def start_message(profile: TimingProfile, speedup: float, total_steps: int | Non
         3 probe steps before the first selection, 3 before every 1 of the selections every 1 epoch(s)
     """
     steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
+    runs_on = cold and schedule.first_steps > windows.WARMUP_STEPS  # only steady steps tell whether it warmed up
+    more = f" (up to {windows.COLD_STEPS} more while this process warms up)" if runs_on else ""
     return (
         f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
         f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
-        f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection, {schedule.probe_steps} "
-        f"before every {schedule.probe_every} of the selections every {schedule.interval} {schedule.unit}(s)"
+        f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection{more}, "
+        f"{schedule.probe_steps} before every {schedule.probe_every} of the selections every {schedule.interval} "
+        f"{schedule.unit}(s)"
     )
 
 
 def announce(
-    trainer: L.Trainer, profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule
+    trainer: L.Trainer, profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, cold: bool
 ) -> None:
     """The start message to the console; the profile's table and the charts to TensorBoard."""
-    rank_zero_info(start_message(profile, speedup, total_steps, schedule))
+    rank_zero_info(start_message(profile, speedup, total_steps, schedule, cold))
     for writer in tensorboard_writers(trainer):
         writer.add_text("elastic/profile", profile_table(profile), trainer.global_step)
         writer.add_custom_scalars(CHARTS)
