@@ -212,10 +212,7 @@ def reach_shortening(
 ) -> tuple[Schedule, Reach]:
     """What `schedule` reaches (`reach_of`, e.g. `reach` with the fit's model), with a first window longer than the
     others (`windows.auto_probe_plan`'s, to time `T`) cut back to their length when it alone would put `speedup` out
-    of this fit's reach or leave its selected steps less than NARROW_ROOM above the cheapest selection: the schedule
-    to run and what it reaches. At the floor the room matters more than a measured `T` (the shorter window plans
-    with the profile's pass plus the measured update): MiniLM's 90-step first runs at 2x whose 6-step window left
-    0.2% of a full step trained 2 tensors (91.9%), those cut back 6.5-21.5 tensors (94.0 +- 1.0%, docs/results.md).
+    of this fit's reach: the schedule to run and what it reaches.
 
     Example:
         >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
@@ -224,13 +221,11 @@ def reach_shortening(
         >>> schedule, fit = reach_shortening(long, 1.62, reach_of)
         >>> schedule.first_window_end, round(fit.this_fit, 3)
         (1, 1.634)
-        >>> reach_shortening(long, 1.55, reach_of)[0] is long  # within reach, but 1.4% of a full step left
-        False
-        >>> reach_shortening(long, 1.45, reach_of)[0] is long  # 6.3% left
+        >>> reach_shortening(long, 1.55, reach_of)[0] is long
         True
     """
     limit = reach_of(schedule)
-    if schedule.first_probe_steps and limit.room(speedup) < NARROW_ROOM:
+    if schedule.first_probe_steps and limit.this_fit < speedup:
         short = replace(schedule, first_probe_steps=0)
         shorter = reach_of(short)
         if shorter.this_fit > limit.this_fit:

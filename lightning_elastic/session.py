@@ -129,7 +129,7 @@ class FitSession:
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
         """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`). A first window
         longer than the others (to time `T`, see `windows.auto_probe_plan`) is cut back to their length when it
-        would put the asked speedup out of this fit's reach or leave its selected steps no room (`reach_shortening`)."""
+        alone would put the asked speedup out of this fit's reach."""
         total = self.plan.total_steps if calibrate else None
         model = StepTimeModel.from_profile(prof)
         self.schedule, limit = reach_shortening(
