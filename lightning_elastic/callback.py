@@ -235,14 +235,15 @@ class ElasticTensorSelection(Callback):
         plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
         fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
         self._fit = fit
-        fit.first.cold = not timed
+        fit.warmup.cold = not timed
         limit = fit.reach(prof, profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
         resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
-        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule, fit.first.cold)
+        cold = fit.warmup.cold and fit.in_first_window  # a process resumed after its first selection runs on no window
+        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule, cold)
         fit.charge_start(profile_seconds + self._clock() - started)
         return fit
 
@@ -307,7 +308,7 @@ class ElasticTensorSelection(Callback):
             if fit.runs_on(trainer, step):
                 return
             first, end = fit.in_first_window, fit.close_probe()
-            if first and not fit.first.cold and fit.plan.full_samples and trainer.is_global_zero and self._profile:
+            if first and not fit.warmup.cold and fit.plan.full_samples and trainer.is_global_zero and self._profile:
                 started = self._clock()  # `T`, for a later process to warm up to (a cold one's may be unsettled)
                 remember_step(resolve_cache_dir(self._cache_dir), self._profile, fit.plan.full_step)
                 fit.charge_start(self._clock() - started)

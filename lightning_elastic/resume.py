@@ -25,7 +25,7 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
     return {
         "mask": None if fit.mask is None else list(fit.mask),
         "probe_end": fit.probe_end,
-        "ran_on": fit.first.ran_on,
+        "ran_on": fit.warmup.ran_on,
         "pending_selection": fit.pending_selection,
         "importance": fit.evaluator.state_dict(),
         "latest": list(fit.latest),
@@ -35,7 +35,7 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "plan": fit.plan.state_dict(),
         "selected_steps": list(fit.selected_steps),
         "probe_optimizer": list(fit.probe_optimizer),
-        "warm_optimizer": list(fit.first.updates),
+        "warm_optimizer": list(fit.warmup.updates),
         "probe_full": list(fit.probe_full),
     }
 
@@ -58,7 +58,7 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
         fit.mask = Mask.of(mask)
         apply_mask(fit.params, fit.mask)
     fit.probe_end = state.get("probe_end")
-    fit.first.ran_on = int(state.get("ran_on", 0))
+    fit.warmup.ran_on = int(state.get("ran_on", 0))
     fit.pending_selection = bool(state.get("pending_selection", False))
     if state.get("importance") is not None:
         fit.evaluator.load_state_dict(state["importance"])
@@ -72,7 +72,7 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
     fit.bn_frozen = list(state.get("bn_frozen", []))
     fit.selected_steps = [float(s) for s in state.get("selected_steps", [])]
     fit.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
-    fit.first.updates = [float(s) for s in state.get("warm_optimizer", [])]
+    fit.warmup.updates = [float(s) for s in state.get("warm_optimizer", [])]
     fit.probe_full = [float(s) for s in state.get("probe_full", [])]
     if state.get("plan"):
         restored = WallClockPlan.from_state(state["plan"])

@@ -87,7 +87,7 @@ class FitSession:
     graphs_at_start: int = field(default_factory=lambda: compiled_graphs())
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
-    first: FirstWindow = field(default_factory=FirstWindow)  # the process's warm-up, as the first window saw it
+    warmup: FirstWindow = field(default_factory=FirstWindow)  # the process's warm-up, as the first window saw it
 
     @classmethod
     def start(
@@ -123,7 +123,7 @@ class FitSession:
             plan=plan,
             latest=[0.0] * len(params),
             compiled=is_compiled(pl_module),
-            first=FirstWindow(warm_step=prof.t_step),
+            warmup=FirstWindow(warm_step=prof.t_step),
         )
 
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
@@ -188,13 +188,13 @@ class FitSession:
             return False
         room = self.schedule.steps_to_next_change(step)
         # a window whose selection waits for an epoch's start ends there: running on would skip that start
-        warming = not self.schedule.selects_at_epoch_start(step - self.first.ran_on) and self.first.runs_on(
+        warming = not self.schedule.selects_at_epoch_start(step - self.warmup.ran_on) and self.warmup.runs_on(
             self.probe_full, self.plan.full_step, room
         )
         votes = torch.tensor([float(warming)], dtype=torch.float64, device=self.params[0].device)
         if float(trainer.strategy.reduce(votes, reduce_op="sum").item()) == 0.0:
             return False
-        self.first.ran_on += 1
+        self.warmup.ran_on += 1
         self.probe_end = step + 1
         return True
 
@@ -211,16 +211,16 @@ class FitSession:
         assert end is not None
         self.probe_end = None
         first = self.in_first_window
-        samples = self.first.samples(self.probe_full, self.plan.full_step) if first else self.probe_full
+        samples = self.warmup.samples(self.probe_full, self.plan.full_step) if first else self.probe_full
         self.plan.observe_full_steps(samples)
         if first:
             self.plan.full_step += self.prior_update  # 0 once the window measured a steady step
-        return end - self.first.ran_on if first else end
+        return end - self.warmup.ran_on if first else end
 
     @property
     def prior_update(self) -> float:
         """The optimizer update `T` is planned with until a steady full step is measured (`FirstWindow`)."""
-        return self.first.prior_update(measured=bool(self.plan.full_samples))
+        return self.warmup.prior_update(measured=bool(self.plan.full_samples))
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.
@@ -263,7 +263,7 @@ class FitSession:
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time
             # that `T` and the correction read.
             if self.probe_end is not None and self.steps_timed > 1 and not self.history:
-                self.first.updates.append(optimizer)
+                self.warmup.updates.append(optimizer)
             self.warming = False
             self.totals["warmup_seconds"] += seconds
             self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)

@@ -172,7 +172,7 @@ def cold_window_runs_on(samples: list[float], warm_step: float, ran_on: int, roo
 
     Args:
         samples: seconds of the window's steady full steps so far (after the warm-up steps).
-        warm_step: a warm process's full step (`FitSession.warm_reference`).
+        warm_step: a warm process's full step (`FirstWindow.reference`).
         ran_on: steps the window already ran on past its length.
         room: optimizer steps from now until the schedule changes the trainable set anyway.
 
@@ -247,7 +247,8 @@ class FirstWindow:
 
     def prior_update(self, measured: bool) -> float:
         """Until a steady full step is `measured`, the optimizer update that `T` (the profile's pass, which lacks it)
-        is planned with: the fastest of `updates` (an update is steady before the step is). MiniLM's passes came
-        out 0.52-0.57 s against a 0.60 s step; planned on the pass alone, 3 of 5 fits at 2x whose window was all
-        warm-up steps trained 2-5 tensors. 0 once `T` is measured."""
+        is planned with: the fastest of `updates`. MiniLM's passes came out 0.52-0.57 s against a 0.60 s step;
+        planned on the pass alone, 3 of 5 fits at 2x whose window was all warm-up steps trained 2-5 tensors. A 2-step
+        window has one update to go by, which can be twice the steady one (0.13-0.25 s against 0.07-0.13 s in four
+        MiniLM first runs, docs/results.md 23:06). 0 once `T` is measured."""
         return min(self.updates) if self.updates and not measured else 0.0

@@ -32,7 +32,7 @@ def cold_session(samples: list[float]) -> FitSession:
     schedule = Schedule(30, "step", 4, first_probe_steps=6, total_steps=96)
     plan = WallClockPlan(speedup=1.5, total_steps=96, full_step=prof.t_full)
     fit = FitSession.start(module, prof, schedule, plan, (), "update", clock=lambda: 0.0)
-    fit.first.cold, fit.probe_end, fit.probe_full = True, 6, [s * prof.t_full for s in samples]
+    fit.warmup.cold, fit.probe_end, fit.probe_full = True, 6, [s * prof.t_full for s in samples]
     return fit
 
 
@@ -48,7 +48,7 @@ def test_every_rank_runs_on_when_any_rank_is_warming_up(mine: list[float], other
     fit = cold_session(mine)
     trainer: Any = SimpleNamespace(strategy=OtherRanks(other))
     assert fit.runs_on(trainer, 6) is runs_on
-    assert (fit.probe_end, fit.first.ran_on) == ((7, 1) if runs_on else (6, 0))
+    assert (fit.probe_end, fit.warmup.ran_on) == ((7, 1) if runs_on else (6, 0))
 
 
 class NoCollective:
@@ -60,7 +60,7 @@ class NoCollective:
 def test_a_warm_process_votes_and_runs_on_only_with_a_warming_rank(other: float) -> None:
     trainer: Any = SimpleNamespace(strategy=OtherRanks(other))
     warm = cold_session([1.45, 1.45])  # slow steps, but it timed the profile: it does not vote to run on
-    warm.first.cold = False
+    warm.warmup.cold = False
     assert warm.runs_on(trainer, 6) is bool(other)
 
 
@@ -79,7 +79,7 @@ def test_the_window_that_ran_on_gives_its_steady_steps_and_its_scheduled_end() -
         fit.probe_full.append(sample * fit.plan.full_step)
     profile_step = fit.plan.full_step
     assert not fit.runs_on(trainer, 8)  # two steady steps within the ceiling: warm
-    assert fit.close_probe() == 6 and fit.first.ran_on == 2
+    assert fit.close_probe() == 6 and fit.warmup.ran_on == 2
     assert fit.plan.full_step == pytest.approx(1.05 * profile_step) and fit.plan.full_samples == 2
     assert windows.COLD_SAMPLES == 2
 
@@ -93,7 +93,7 @@ def test_a_first_window_whose_selection_waits_for_an_epoch_start_ends_there() ->
     assert schedule.first_window_end == 16 and schedule.selects_at_epoch_start(16)
     plan = WallClockPlan(speedup=1.5, total_steps=64, full_step=prof.t_full)
     fit = FitSession.start(module, prof, schedule, plan, (), "update", clock=lambda: 0.0)
-    fit.first.cold, fit.probe_end, fit.probe_full = True, 16, [1.45 * prof.t_full] * 8
+    fit.warmup.cold, fit.probe_end, fit.probe_full = True, 16, [1.45 * prof.t_full] * 8
     trainer: Any = SimpleNamespace(strategy=OtherRanks(0.0))
     assert not fit.runs_on(trainer, 16)
     assert fit.close_probe() == 16
@@ -108,7 +108,7 @@ def test_a_checkpoint_inside_the_first_window_keeps_its_samples_of_t() -> None:
     fit.probe_full.append(1.0 * fit.plan.full_step)
     resumed = cold_session([])
     resume.restore(resumed, resume.fit_state(fit))
-    assert resumed.probe_full == fit.probe_full and (resumed.probe_end, resumed.first.ran_on) == (7, 1)
+    assert resumed.probe_full == fit.probe_full and (resumed.probe_end, resumed.warmup.ran_on) == (7, 1)
     assert resumed.runs_on(trainer, 7)  # one steady step of the two it needs
     resumed.probe_full.append(1.1 * fit.plan.full_step)
     assert not resumed.runs_on(trainer, 8)

@@ -7,6 +7,7 @@ known factor; the callback measures that clock. Its whole fit must land on `full
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -212,7 +213,7 @@ def test_a_first_window_of_warm_up_steps_only_plans_with_the_pass_plus_the_updat
     trainer = tiny_trainer(callbacks=[device, callback, SlowUpdate(device, update)], max_steps=120, max_epochs=-1)
     trainer.fit(TinyNet(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.first.updates == pytest.approx([update])
+    assert fit is not None and fit.warmup.updates == pytest.approx([update])
     assert callback.history[0].full_seconds == pytest.approx(PROFILE.t_full + update)
     full_fit = device.full_seconds + 120 * update
     assert full_fit / callback.summary()["spent_seconds"] == pytest.approx(1.5, rel=0.03)
@@ -232,11 +233,11 @@ def test_a_cold_first_window_holds_its_steps_against_the_steady_step_a_fit_remem
     torch.manual_seed(0)
     tiny_trainer(callbacks=[device, callback], max_steps=60, max_epochs=-1).fit(TinyNet(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.first.cold
+    assert fit is not None and fit.warmup.cold
     if not remembered:
-        assert fit.first.ran_on == 0 and callback.history[0].full_seconds == pytest.approx(1.4 * steady)
+        assert fit.warmup.ran_on == 0 and callback.history[0].full_seconds == pytest.approx(1.4 * steady)
         return
-    assert fit.first.ran_on == 2 and callback.history[0].step == windows.first_window() + 2
+    assert fit.warmup.ran_on == 2 and callback.history[0].step == windows.first_window() + 2
     assert callback.history[0].full_seconds == pytest.approx(steady)
 
 
@@ -261,7 +262,9 @@ def test_a_fit_that_timed_its_profile_remembers_its_steady_full_step_in_the_cach
 
 
 @pytest.mark.parametrize("profiled", [False, True])
-def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_warm(profiled: bool) -> None:
+def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_warm(
+    profiled: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """A process with a cached or given profile warms up for longer than the warm-up steps (MiniLM: steps 5-6 at
     1.45x the profile's full step, steady from step 7). Its first window runs on until 2 steady steps came within 1.2x
     of the profile's step, and `T` is those steps, exactly the steady full step; the fit lands on the asked speedup.
@@ -273,14 +276,17 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     if profiled:  # as if this fit had profiled in this process
         callback._begin = lambda *args: original(*args[:-1], True)  # type: ignore[method-assign]
     torch.manual_seed(0)
-    tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.first.cold is not profiled
+    assert fit is not None and fit.warmup.cold is not profiled
+    said = f"{windows.first_window()} probe steps before the first selection (up to {windows.COLD_STEPS} more while"
+    assert (said in caplog.text) is not profiled  # the start message says what the window may cost
     if profiled:
-        assert fit.first.ran_on == 0 and callback.history[0].step == windows.WARMUP_STEPS + 2
+        assert fit.warmup.ran_on == 0 and callback.history[0].step == windows.WARMUP_STEPS + 2
         assert callback.history[0].full_seconds == pytest.approx(1.45 * PROFILE.t_full)
         return
-    assert fit.first.ran_on == windows.COLD_SAMPLES and callback.history[0].step == windows.WARMUP_STEPS + 2 + 2
+    assert fit.warmup.ran_on == windows.COLD_SAMPLES and callback.history[0].step == windows.WARMUP_STEPS + 2 + 2
     assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full] * len(callback.history))
     summary = callback.summary()
     assert summary["probe_steps"] == fit.schedule.probe_steps_between(0, 96) + 2  # the two steps it ran on

@@ -64,14 +64,14 @@ def test_profiling_takes_no_fingerprint_pass_and_a_cached_profile_costs_no_pass_
     tiny_trainer(callbacks=[timing], max_steps=8).fit(first, tiny_data())
     assert signatures == []  # the first step's own pass was the fingerprint's
     assert first.calls > 8  # 8 steps and the profile's passes
-    assert timing._fit is not None and not timing._fit.first.cold  # its timing passes warmed the process up
+    assert timing._fit is not None and not timing._fit.warmup.cold  # its timing passes warmed the process up
     again = Counted()
     callback = elastic(tmp_path)
     tiny_trainer(callbacks=[callback], max_steps=8).fit(again, tiny_data())
     assert again.calls == 8  # the cache was found with the first step's fingerprint: no pass of profiling
     assert signatures == []
     assert callback.timing_profile is not None and callback.timing_profile.profile_seconds > 0  # read, not measured
-    assert callback._fit is not None and callback._fit.first.cold  # no timing pass: its first window may run on
+    assert callback._fit is not None and callback._fit.warmup.cold  # no timing pass: its first window may run on
     assert len(list(tmp_path.glob("timing-*.json"))) == 1
 
 

@@ -115,13 +115,16 @@ def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
     )
 
 
-@pytest.mark.parametrize(("first", "cold", "said"), [(6, True, True), (6, False, False), (4, True, False)])
+@pytest.mark.parametrize(
+    ("first", "cold", "said"),
+    [(windows.first_window(), True, True), (windows.first_window(), False, False), (windows.WARMUP_STEPS, True, False)],
+)
 def test_start_message_says_a_cold_process_may_run_its_first_window_on(first: int, cold: bool, said: bool) -> None:
     """Only a cold process whose first window has steady steps to judge its warm-up by can run on."""
     message = start_message(PROFILE, 2.0, 240, Schedule(20, "step", 4, first_probe_steps=first), cold=cold)
-    more = f"{first} probe steps before the first selection (up to {windows.COLD_STEPS} more while this process warms up)"
+    more = f"(up to {windows.COLD_STEPS} more while this process warms up)"
+    assert (f"{first} probe steps before the first selection {more}" in message) is said
     assert (more in message) is said
-    assert f"{first} probe steps before the first selection" in message
 
 
 def test_interval_metrics_compare_measured_with_predicted_and_measured_full_steps() -> None:
