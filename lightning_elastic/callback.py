@@ -307,8 +307,8 @@ class ElasticTensorSelection(Callback):
         if fit.probe_end is not None and step >= fit.probe_end:
             if fit.runs_on(trainer, step):
                 return
-            first, end = fit.in_first_window, fit.close_probe()
-            if first and not fit.warmup.cold and fit.plan.full_samples and trainer.is_global_zero and self._profile:
+            measured, end = fit.plan.full_samples, fit.close_probe()  # the first window to measure `T` remembers it
+            if not (measured or fit.warmup.cold) and fit.plan.full_samples and trainer.is_global_zero and self._profile:
                 started = self._clock()  # `T`, for a later process to warm up to (a cold one's may be unsettled)
                 remember_step(resolve_cache_dir(self._cache_dir), self._profile, fit.plan.full_step)
                 fit.charge_start(self._clock() - started)

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic import ElasticTensorSelection, planner, reporting, session, windows
+from lightning_elastic import callback as callback_module
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.profile import cache_file, read_profile, store
 from lightning_elastic.time_model import StepTimeModel
@@ -259,6 +260,31 @@ def test_a_fit_that_timed_its_profile_remembers_its_steady_full_step_in_the_cach
     assert callback.history[0].full_seconds == pytest.approx(1.3 * PROFILE.t_full)
     kept = read_profile(path)
     assert kept == (dataclasses.replace(PROFILE, t_step=callback.history[0].full_seconds) if timed else PROFILE)
+
+
+def test_a_first_window_of_warm_up_steps_leaves_the_steady_step_to_the_first_window_that_measures_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first window of 2 steps (all warm-up: cut back, or an explicit small `probe_steps`) measures no steady `T`, so
+    it writes nothing; the next window measures it, and that `T` goes into the cache entry, once."""
+    path = cache_file(tmp_path, PROFILE.fingerprint)
+    store(path, PROFILE)
+    device = VirtualDevice(1.3)
+    callback = ElasticTensorSelection(
+        speedup=1.5, interval=20, interval_unit="step", probe_steps=2, profile=PROFILE, clock=device.clock,
+        cache_dir=tmp_path,
+    )
+    original = callback._begin
+    callback._begin = lambda *args: original(*args[:-1], True)  # type: ignore[method-assign]  # as if it profiled
+    writes: list[float] = []
+    real = callback_module.remember_step
+    monkeypatch.setattr(callback_module, "remember_step", lambda *args: writes.append(args[2]) or real(*args))
+    tiny_trainer(callbacks=[device, callback], max_steps=60, max_epochs=-1).fit(TinyNet(), tiny_data())
+    first, second = [r for r in callback.history if not r.replanned][:2]  # the selections after a window
+    assert first.step == 2 and second.step == 20  # windows at steps 0-1 (warm-up) and 18-19 (steady)
+    assert second.full_seconds == pytest.approx(1.3 * PROFILE.t_full)  # measured in the second window
+    assert writes == [pytest.approx(second.full_seconds)]  # written once, by the window that measured it
+    assert read_profile(path) == dataclasses.replace(PROFILE, t_step=writes[0])
 
 
 @pytest.mark.parametrize("profiled", [False, True])
