@@ -167,43 +167,43 @@ def late_first_window(schedule: Schedule) -> str | None:
     )
 
 
-def cold_window_runs_on(samples: list[float], warm_step: float, ran_on: int, room: float) -> bool:
+def cold_window_runs_on(samples: list[float], reference: float, ran_on: int, room: float) -> bool:
     """Whether the first window of a process that did not time its profile runs on one step more (see COLD_STEPS).
 
     Args:
         samples: seconds of the window's steady full steps so far (after the warm-up steps).
-        warm_step: a warm process's full step (`FirstWindow.reference`).
+        reference: a warm process's full step (`FirstWindow.reference`: the remembered `t_step`, else the pass).
         ran_on: steps the window already ran on past its length.
         room: optimizer steps from now until the schedule changes the trainable set anyway.
 
     Example:
-        >>> cold_window_runs_on([0.86, 0.86], warm_step=0.59, ran_on=0, room=40)  # still warming up
+        >>> cold_window_runs_on([0.86, 0.86], reference=0.59, ran_on=0, room=40)  # still warming up
         True
-        >>> cold_window_runs_on([0.86, 0.86, 0.60, 0.62], warm_step=0.59, ran_on=2, room=38)
+        >>> cold_window_runs_on([0.86, 0.86, 0.60, 0.62], reference=0.59, ran_on=2, room=38)
         False
-        >>> cold_window_runs_on([0.86, 0.86], warm_step=0.59, ran_on=0, room=6)  # too near the next change
+        >>> cold_window_runs_on([0.86, 0.86], reference=0.59, ran_on=0, room=6)  # too near the next change
         False
     """
-    steady = len(_within_ceiling(samples, warm_step))
+    steady = len(_within_ceiling(samples, reference))
     return bool(samples) and steady < COLD_SAMPLES and ran_on < COLD_STEPS and room > first_window()
 
 
-def steady_samples(samples: list[float], warm_step: float) -> list[float]:
+def steady_samples(samples: list[float], reference: float) -> list[float]:
     """The samples of `T` of a first window that ran on (`cold_window_runs_on`): those within COLD_CEILING of a
     warm process's full step, or all of them when none is (the device is slower than when it was profiled).
 
     Example:
-        >>> steady_samples([0.86, 0.86, 0.60, 0.62], warm_step=0.59)
+        >>> steady_samples([0.86, 0.86, 0.60, 0.62], reference=0.59)
         [0.6, 0.62]
-        >>> steady_samples([0.77, 0.78, 0.76], warm_step=0.59)
+        >>> steady_samples([0.77, 0.78, 0.76], reference=0.59)
         [0.77, 0.78, 0.76]
     """
-    return _within_ceiling(samples, warm_step) or list(samples)
+    return _within_ceiling(samples, reference) or list(samples)
 
 
-def _within_ceiling(samples: list[float], warm_step: float) -> list[float]:
+def _within_ceiling(samples: list[float], reference: float) -> list[float]:
     """The samples within COLD_CEILING of a warm process's full step: a warm process's steps."""
-    return [s for s in samples if s <= COLD_CEILING * warm_step]
+    return [s for s in samples if s <= COLD_CEILING * reference]
 
 
 @dataclass
