@@ -22,10 +22,10 @@ from numpy import bool_ as np_bool
 
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
 from lightning_elastic.freezing import BN_POLICIES
-from lightning_elastic.profiling import TimingMethod, TimingProfile
+from lightning_elastic.profiling import TimeModel, TimingProfile
 from lightning_elastic.schedule import IntervalUnit
 
-TIME_MODELS: tuple[str, ...] = get_args(TimingMethod)
+TIME_MODELS: tuple[str, ...] = get_args(TimeModel)
 INTERVAL_UNITS: tuple[str, ...] = get_args(IntervalUnit)
 
 

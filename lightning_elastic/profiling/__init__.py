@@ -36,7 +36,7 @@ that differ), `calibration` (against plain timings), `flops` (analytic op costs)
 leave as it found), `harness` (the first training batch to the loss, as Lightning's own step computes it).
 """
 
-from lightning_elastic.profiling.profile import TimingMethod, TimingProfile
+from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile
 from lightning_elastic.profiling.runner import profile
 
-__all__ = ["TimingMethod", "TimingProfile", "profile"]
+__all__ = ["TimeModel", "TimingMethod", "TimingProfile", "profile"]

@@ -26,6 +26,7 @@ from torchmetrics import Metric
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
+from lightning_elastic.planner import PROFILE_SHARE, PROFILE_STEPS
 from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.profiling.graph import StepSignature
 from lightning_elastic.profiling.profile import (
@@ -68,13 +69,23 @@ def reusable_profile(
     return None
 
 
-def announce_profiling(pl_module: L.LightningModule, first_step: bool) -> None:
-    """Say what profiling is about to cost, before it starts."""
+def announce_profiling(pl_module: L.LightningModule, first_step: bool, method: TimingMethod, auto: bool) -> None:
+    """Say what profiling is about to cost, before it starts, and why it takes the analytic time model when "auto"
+    chose it (`planner.profile_method`)."""
     count = sum(p.requires_grad for p in pl_module.parameters())
-    when, steps = ("after the first training step's backward pass", 6) if first_step else ("on the first batch", 7)
+    steps = PROFILE_STEPS[method] - first_step  # the fit's first step is the first pass
+    when = "after the first training step's backward pass" if first_step else "on the first batch"
+    what = "analytic (op counts, one timed step)" if method == "flops" else "measured"
+    why = ""
+    if auto and method == "flops":
+        why = (
+            f"; time_model='auto' takes the analytic model, because a measured profile (about "
+            f"{PROFILE_STEPS['measured']} training steps) would be more than {PROFILE_SHARE:.0%} of this fit, and uses "
+            "a cached measured profile of this model when there is one; time_model='measured' measures anyway"
+        )
     rank_zero_info(
-        f"ElasticTensorSelection: profiling {count} tensors {when} (about {steps} training steps, more on a busy "
-        "machine; a cached profile of this model on this device is used instead when there is one)"
+        f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {steps} training steps, more on a "
+        f"busy machine; a cached profile of this model on this device is used instead when there is one{why})"
     )
 
 
@@ -84,6 +95,7 @@ def measure_profile(
     method: TimingMethod,
     cache_dir: Path | None,
     first: FirstStep | None = None,
+    prefer_measured: bool = False,
 ) -> Measured:
     """Profile the real training step on the first training batch (or read it from the cache).
 
@@ -94,7 +106,8 @@ def measure_profile(
     longest in its batch) would key a shuffled batch's shapes, and the next run, or the check of a resume or a second
     fit (`stale_reason`, on the first batch), would profile again. So the key, and the shapes timed, are the first
     batch's in every run. `Measured.timed` says whether this process ran the timing passes (which warm it up) or
-    read the cache.
+    read the cache. With `prefer_measured` (the callback's "auto"), a cached measured profile is taken before
+    `method`'s.
     """
     batch = _first_batch(trainer)
     signature = None
@@ -103,7 +116,13 @@ def measure_profile(
     phases = PhaseLines()
     with _training_step(trainer, pl_module, batch) as compute_loss:
         profiled = profile(
-            pl_module, compute_loss, method=method, cache_dir=cache_dir, progress=phases, signature=signature
+            pl_module,
+            compute_loss,
+            method=method,
+            cache_dir=cache_dir,
+            progress=phases,
+            signature=signature,
+            cached_first=("measured",) if prefer_measured and cache_dir is not None else (),
         )
     if trainer.world_size > 1:  # the same profile on every rank; whether this process timed it is its own
         profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))

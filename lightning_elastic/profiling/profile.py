@@ -20,11 +20,13 @@ from torch import nn
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.time_model import StepTimeModel
 
-__all__ = ["TimingMethod", "TimingProfile"]
+__all__ = ["TimeModel", "TimingMethod", "TimingProfile"]
 
 CACHE_ENV = "LIGHTNING_ELASTIC_CACHE_DIR"
 
 TimingMethod = Literal["measured", "flops"]
+# What the callback is told: a method, or "auto" (`planner.profile_method`: the one the fit can pay for).
+TimeModel = Literal["auto", "measured", "flops"]
 
 FORMAT_VERSION = 1
 

@@ -4,7 +4,7 @@ profile are `passes.Runner`'s."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, get_args
@@ -39,6 +39,7 @@ def profile(
     clock: Callable[[], float] | None = None,
     progress: Progress | None = None,
     signature: Mapping[str, Any] | None = None,
+    cached_first: Sequence[TimingMethod] = (),
 ) -> TimingProfile:
     """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
 
@@ -73,6 +74,9 @@ def profile(
         signature: the step's `StepSignature`, recorded by the caller on a training step that just ran on the same
             batch (the fit's first, `harness.FirstStep`): then profiling takes no fingerprint pass of its own, and
             that step was the device's warm-up. Its backward graph must be the one of every candidate trained.
+        cached_first: methods whose cached profile of this step is taken, when there is one, before the cache of
+            ``method`` is looked up or anything is timed (the callback's "auto" prefers a measured profile it
+            need not pay for). Needs ``cache_dir``.
 
     Returns:
         The `TimingProfile`.
@@ -101,13 +105,13 @@ def profile(
         runner.progress = progress or runner.progress
         if signature is None:
             runner.progress(1, PHASES, "the step's fingerprint (one forward and backward pass)")
-            fingerprint = runner.fingerprint(method)
-        else:
-            fingerprint = cache_key(signature, runner.device, runner.candidates, method)
-        path = None if cache_dir is None else cache_file(Path(cache_dir), fingerprint)
-        cached = None if path is None else load_cached(path, fingerprint)
-        if cached is not None:
-            return cached
+            signature = runner.signature()
+        for looked_up in (*cached_first, method):
+            fingerprint = cache_key(signature, runner.device, runner.candidates, looked_up)
+            path = None if cache_dir is None else cache_file(Path(cache_dir), fingerprint)
+            cached = None if path is None else load_cached(path, fingerprint)
+            if cached is not None:
+                return cached
         result = runner.run(method, warmup, repeats)
         candidates = runner.candidates
         prof = TimingProfile(

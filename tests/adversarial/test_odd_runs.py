@@ -313,7 +313,7 @@ def test_cpu_precisions_select_on_schedule_with_finite_importance(precision: str
         ({"interval_unit": None}, r"`interval_unit` must be one of \('epoch', 'step'\). Found: None"),
         ({"probe_steps": "3"}, r"`probe_steps` must be a positive int or 'auto'. Found: '3'"),
         ({"probe_steps": 0}, r"`probe_steps` must be a positive int or 'auto'. Found: 0"),
-        ({"time_model": 1}, r"`time_model` must be one of \('measured', 'flops'\). Found: 1"),
+        ({"time_model": 1}, r"`time_model` must be one of \('auto', 'measured', 'flops'\). Found: 1"),
         ({"train_never": [""]}, r"`train_never` must be a list of non-empty name patterns. Found: \[''\]"),
         ({"train_always": [1]}, r"`train_always` must be a list of non-empty name patterns. Found: \[1\]"),
         ({"bn_policy": None}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: None"),

@@ -127,7 +127,7 @@ def test_unreachable_speedup_fails_before_training_with_the_largest_reachable() 
         ({"interval": 0}, r"`interval` must be a positive int. Found: 0"),
         ({"interval_unit": "batch"}, r"`interval_unit` must be one of \('epoch', 'step'\). Found: 'batch'"),
         ({"probe_steps": -1}, r"`probe_steps` must be a positive int or 'auto'. Found: -1"),
-        ({"time_model": "guess"}, r"`time_model` must be one of \('measured', 'flops'\). Found: 'guess'"),
+        ({"time_model": "guess"}, r"`time_model` must be one of \('auto', 'measured', 'flops'\). Found: 'guess'"),
         ({"bn_policy": "off"}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"),
         ({"train_always": "fc.*"}, r"`train_always` must be a list of non-empty name patterns. Found: 'fc.\*'"),
         ({"train_never": 5}, r"`train_never` must be a list of non-empty name patterns. Found: 5"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
-from lightning_elastic import ElasticTensorSelection, windows
+from lightning_elastic import ElasticTensorSelection, planner, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.harness import FirstStep
 from lightning_elastic.profiling.runner import Runner
@@ -73,6 +74,29 @@ def test_profiling_takes_no_fingerprint_pass_and_a_cached_profile_costs_no_pass_
     assert callback.timing_profile is not None and callback.timing_profile.profile_seconds > 0  # read, not measured
     assert callback._fit is not None and callback._fit.warmup.cold  # no timing pass: its first window may run on
     assert len(list(tmp_path.glob("timing-*.json"))) == 1
+
+
+def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_measured_profile_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`time_model="auto"`: an 8-step fit cannot pay for a measured profile (about 7 steps), a long one can."""
+    short = elastic(tmp_path)
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[short], max_steps=8).fit(Counted(), tiny_data())
+    assert short.timing_profile is not None and short.timing_profile.method == "flops"
+    assert "time_model='auto' takes the analytic model" in caplog.text
+    measured = elastic(tmp_path, time_model="measured")  # an explicit choice holds in a short fit
+    tiny_trainer(callbacks=[measured], max_steps=8).fit(Counted(), tiny_data())
+    assert measured.timing_profile is not None and measured.timing_profile.method == "measured"
+    again, model = elastic(tmp_path), Counted()
+    tiny_trainer(callbacks=[again], max_steps=8).fit(model, tiny_data())
+    assert again.timing_profile is not None and again.timing_profile.method == "measured"  # not the flops one
+    assert again.timing_profile.fingerprint == measured.timing_profile.fingerprint
+    assert model.calls == 8  # read from the cache: no pass of profiling
+    monkeypatch.setattr(planner, "PROFILE_SHARE", 1.0)  # 7 steps of an 8-step fit: affordable now
+    long = elastic(tmp_path / "empty")
+    tiny_trainer(callbacks=[long], max_steps=8).fit(Counted(), tiny_data())
+    assert long.timing_profile is not None and long.timing_profile.method == "measured"
 
 
 def test_the_first_step_trains_as_it_would_without_the_callback() -> None:

@@ -339,3 +339,17 @@ def test_a_selection_is_replanned_when_it_runs_off_plan_and_a_new_one_could_diff
     nor a fast one that every allowed tensor, or a target it did not reach, limited (target 1.0 s)."""
     decision = Decision(Mask.of(mask), (1.0,) * 3, predicted_seconds=predicted, target_seconds=1.0, starved=starved)
     assert planner.replan_due(ratio, decision, Mask.of(forbidden)) is due
+
+
+@pytest.mark.parametrize("speedup", [1.5, 2.0, 3.0])
+def test_auto_measures_the_profile_from_the_fit_length_where_it_costs_at_most_its_share(speedup: float) -> None:
+    """`profile_method`: the measured profile's steps against `PROFILE_SHARE` of the planned full steps `N / s`."""
+    steps, share = planner.PROFILE_STEPS["measured"], planner.PROFILE_SHARE
+    # The shortest fit that pays for it, by brute force over fit lengths.
+    shortest = next(n for n in range(1, 10_000) if steps / (n / speedup) <= share + 1e-12)
+    assert planner.profile_method("auto", shortest, speedup) == "measured"
+    assert planner.profile_method("auto", shortest - 1, speedup) == "flops"
+    assert planner.profile_method("auto", None, speedup) == "measured"  # unknown length: a long fit
+    for asked in ("measured", "flops"):
+        assert planner.profile_method(asked, 1, speedup) == asked  # an explicit choice holds at any length
+        assert planner.profile_method(asked, 10**6, speedup) == asked

@@ -329,3 +329,31 @@ def test_the_fit_prints_one_line_per_profiling_phase(caplog: pytest.LogCaptureFi
         "(0.5 s so far)",
         "ElasticTensorSelection: profiling, phase 2 of 3: 6 instrumented passes (4.0 s so far)",
     ]
+
+
+def test_a_cached_profile_of_a_method_asked_first_is_taken_before_anything_is_timed(tmp_path: Path) -> None:
+    """The callback's "auto" takes a cached measured profile even where the fit would profile with flops."""
+    clock = FakeClock()
+    net = nn.Sequential(*[FakeLayer(clock, (1.0, 2.0, 3.0)) for _ in range(4)])
+    x = torch.randn(2, 3)
+    phases: list[int] = []
+
+    def loss() -> Tensor:
+        return net(x).sum()
+
+    def record(k: int, n: int, what: str) -> None:
+        phases.append(k)
+
+    # An empty cache: profiled with `method`, and only that profile is stored.
+    flops = profile(net, loss, method="flops", clock=clock, cache_dir=tmp_path, cached_first=("measured",))
+    assert flops.method == "flops" and len(list(tmp_path.glob("timing-*.json"))) == 1
+    measured = profile(net, loss, method="measured", clock=clock, cache_dir=tmp_path)
+    assert measured.method == "measured" and len(list(tmp_path.glob("timing-*.json"))) == 2
+    taken = profile(
+        net, loss, method="flops", clock=clock, cache_dir=tmp_path, cached_first=("measured",), progress=record
+    )
+    assert taken == measured  # the measured one, not the flops one also in the cache
+    assert phases == [1]  # the fingerprint's pass only: nothing timed
+    phases.clear()
+    assert profile(net, loss, method="flops", clock=clock, cache_dir=tmp_path, progress=record) == flops
+    assert phases == [1]
