@@ -269,6 +269,8 @@ class WallClockPlan:
         total_steps: optimizer steps of the whole fit, or None when unknown (then each interval keeps the contract,
             with what was over- or under-spent before carried forward).
         full_step: seconds of a full training step `T` (an estimate until probe steps are measured).
+        warmup: seconds the same fit without the callback spends on its process's warm-up beyond `T` a step (its
+            first steps are slower), as this process's warm-up full steps measured it (`windows.FirstWindow.excess`).
 
     Example:
         >>> plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=1.0)
@@ -289,12 +291,19 @@ class WallClockPlan:
     corrections: int = 0
     full_samples: int = 0
     overhead: float = 0.0
+    warmup: float = 0.0
 
     def planned(self, steps: int | None = None) -> float:
-        """Seconds the contract allows for `steps` optimizer steps (default: the whole fit, else the steps done)."""
+        """Seconds the contract allows for the fit's first `steps` optimizer steps (default: the whole fit, else the
+        steps done): what full fine-tuning would take for them (`full_fit`), over the speedup."""
+        return self.full_fit(steps) / self.speedup
+
+    def full_fit(self, steps: int | None = None) -> float:
+        """Estimated seconds of full fine-tuning for the fit's first `steps` optimizer steps (default as `planned`):
+        `T` a step, plus its process's warm-up."""
         if steps is None:
             steps = self.total_steps if self.total_steps is not None else self.steps_done
-        return steps * self.full_step / self.speedup
+        return steps * self.full_step + self.warmup
 
     def spend(self, seconds: float, steps: int = 0) -> None:
         """Charge `seconds` of training time, of which `steps` optimizer steps."""
@@ -348,7 +357,7 @@ class WallClockPlan:
     @property
     def speedup_so_far(self) -> float:
         """Estimated full fine-tuning seconds of the steps done, over the seconds spent on them."""
-        return self.steps_done * self.full_step / self.spent if self.spent > 0 else math.nan
+        return self.full_fit(self.steps_done) / self.spent if self.spent > 0 else math.nan
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data for checkpoints."""

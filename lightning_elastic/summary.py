@@ -38,7 +38,10 @@ class FitSummary:
         fit_speedup: the whole training part: `full_fit_seconds / spent_seconds`.
         planned_seconds: what the contract allowed for the steps done.
         spent_seconds: what they took, the callback's own work included.
-        full_fit_seconds: the estimate of full fine-tuning: the steps done at `full_step_seconds` each.
+        full_fit_seconds: the estimate of full fine-tuning: the steps done at `full_step_seconds` each, plus its
+            process's warm-up (`warmup_excess_seconds`).
+        warmup_excess_seconds: what full fine-tuning's first steps take beyond `full_step_seconds` each, as this
+            fit's first full steps measured it (`WallClockPlan.warmup`).
         profile_seconds: profiling, this fit (0 when the profile came from the cache).
         probe_seconds: the probe windows' steps.
         select_seconds: choosing the selections.
@@ -65,6 +68,7 @@ class FitSummary:
     planned_seconds: float
     spent_seconds: float
     full_fit_seconds: float
+    warmup_excess_seconds: float
     profile_seconds: float
     probe_seconds: float
     select_seconds: float
@@ -102,6 +106,9 @@ class FitSummary:
             f"step {self.full_step_seconds * 1e3:.1f} ms"
         )
 
+    def _warmup_term(self) -> str:
+        return f" + {self.warmup_excess_seconds:.1f} s of warm-up" if self.warmup_excess_seconds > 0 else ""
+
     def table(self) -> str:
         """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""
         overhead = self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
@@ -110,7 +117,7 @@ class FitSummary:
         lines = [
             f"  fit speedup        {self.headline()}: "
             f"{self.spent_seconds:.1f} s spent against {self.full_fit_seconds:.1f} s estimated for training every "
-            f"tensor ({self.steps} steps x {self.full_step_seconds * 1e3:.1f} ms); "
+            f"tensor ({self.steps} steps x {self.full_step_seconds * 1e3:.1f} ms{self._warmup_term()}); "
             f"{self.planned_seconds:.1f} s planned",
             f"  per-step speedup   {self.per_step()}",
             f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit): profile {self.profile_seconds:.1f} s, "
@@ -157,7 +164,8 @@ def fit_summary(
         fit_speedup=plan.speedup_so_far if plan is not None else math.nan,
         planned_seconds=plan.planned(plan.steps_done) if plan is not None else math.nan,
         spent_seconds=spent,
-        full_fit_seconds=plan.steps_done * full if plan is not None else math.nan,
+        full_fit_seconds=plan.full_fit(plan.steps_done) if plan is not None else math.nan,
+        warmup_excess_seconds=plan.warmup if plan is not None else 0.0,
         profile_seconds=totals.get("profile_seconds", 0.0),
         probe_seconds=totals.get("probe_seconds", 0.0),
         select_seconds=totals.get("select_seconds", 0.0),

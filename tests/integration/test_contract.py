@@ -189,6 +189,25 @@ def test_the_default_first_window_times_steady_full_steps_so_the_fit_lands_whate
     assert "no steady full step measured" not in callback.report().table()
 
 
+def test_the_plan_counts_the_warm_up_that_full_fine_tuning_pays_as_its_first_full_steps_measured_it() -> None:
+    """A fresh process's first steps are slower, with the callback or without: the same fit without it pays them
+    too. The first window's warm-up steps train every tensor, so they measure that warm-up (0.6 x `T` more in each
+    of `WARMUP_STEPS` steps here), and the plan adds it to what full fine-tuning costs: the fit lands on the asked
+    speedup of the device's whole full fit, slow first steps included (before, of `N x T` alone: 2.5% under)."""
+    device = VirtualDevice(1.0, slow=(windows.WARMUP_STEPS, 1.6))
+    callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
+    fit = callback._fit
+    assert fit is not None and fit.plan.full_samples > 0
+    assert fit.plan.warmup == pytest.approx(0.6 * windows.WARMUP_STEPS * PROFILE.t_full)
+    summary = callback.summary()
+    assert summary["full_fit_seconds"] == pytest.approx(device.full_seconds)
+    assert device.full_seconds / summary["spent_seconds"] == pytest.approx(1.5, rel=0.01), summary
+    assert summary["fit_speedup"] == pytest.approx(device.full_seconds / summary["spent_seconds"])
+    assert f"+ {fit.plan.warmup:.1f} s of warm-up" in callback.report().table()
+
+
 class SlowUpdate(Callback):
     """Advances the device's clock by `seconds` in every optimizer update (listed after the elastic callback, whose
     update timer runs by then): an update that the profile's pass, forward and backward only, does not see."""

@@ -353,3 +353,14 @@ def test_auto_measures_the_profile_from_the_fit_length_where_it_costs_at_most_it
     for asked in ("measured", "flops"):
         assert planner.profile_method(asked, 1, speedup) == asked  # an explicit choice holds at any length
         assert planner.profile_method(asked, 10**6, speedup) == asked
+
+
+def test_the_plan_adds_full_fine_tunings_warm_up_to_what_it_allows() -> None:
+    """`warmup`: the seconds the same fit without the callback spends on its first, slower steps beyond `T` each."""
+    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.5, warmup=3.0)
+    assert plan.full_fit() == 53.0 and plan.planned() == 26.5
+    plan.spend(10.0, steps=10)  # ten probe steps, the warm-up ones among them
+    assert plan.target(step=10, horizon=100, probe_steps_ahead=0) == pytest.approx(16.5 / 90)
+    assert plan.speedup_so_far == pytest.approx((10 * 0.5 + 3.0) / 10.0)
+    assert WallClockPlan.from_state(plan.state_dict()) == plan
+    assert WallClockPlan.from_state({k: v for k, v in plan.state_dict().items() if k != "warmup"}).warmup == 0.0
