@@ -38,9 +38,9 @@ from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import BnPolicy, UserState, apply_bn_policy, freeze_never
 from lightning_elastic.inspection import selection_map
-from lightning_elastic.planner import WallClockPlan, profile_method
-from lightning_elastic.profiling import TimeModel, TimingMethod, TimingProfile
-from lightning_elastic.profiling.harness import FirstStep, announce_profiling, measure_profile, reusable_profile
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.profiling import TimeModel, TimingProfile
+from lightning_elastic.profiling.harness import FirstStep, ProfileChoice, measure_profile, reusable_profile
 from lightning_elastic.profiling.profile import remember_step, resolve_cache_dir
 from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
@@ -70,9 +70,8 @@ class ElasticTensorSelection(Callback):
         probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (3%) of
             the fit, the first long enough to time steady full steps when the fit can pay for it; or the steps of
             every window, each full training steps that measure every tensor's importance.
-        time_model: "measured" (per-tensor times profiled on this device), "flops" (analytic: op counts scaled to
-            one timed step; a first profile of about 3 training steps instead of 7), or "auto" (default): measured
-            when that costs at most 5% of the planned fit (or a measured profile is cached), else flops.
+        time_model: "measured" (per-tensor times profiled on this device, about 7 training steps), "flops" (op counts
+            scaled to one timed step, about 3), or "auto": measured when it costs at most 5% of the planned fit.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.
@@ -124,7 +123,7 @@ class ElasticTensorSelection(Callback):
         self._interval_unit: IntervalUnit = interval_unit
         self._probe_steps = probe_steps
         self._time_model: TimeModel = time_model
-        self._method: TimingMethod = "measured"  # what this fit profiles with (`planner.profile_method`)
+        self._choice = ProfileChoice("measured", auto=False)  # this fit's time model (`ProfileChoice.of`)
         self._train_always = tuple(train_always)
         self._train_never = tuple(train_never)
         self._bn_policy: BnPolicy = bn_policy
@@ -195,17 +194,16 @@ class ElasticTensorSelection(Callback):
         self._user = freeze_never(pl_module, self._train_always, self._train_never, self._bn_policy)  # before any pass
         restored = self._restored.get("profile") if self._restored else None
         prof = reusable_profile(trainer, pl_module, self._given_profile, restored, self._profile)
-        self._method = profile_method(self._time_model, self._schedule[1], self._speedup)
+        self._choice = ProfileChoice.of(self._time_model, self._schedule[1], self._speedup)
         first_step = prof is None and self._restored is None and FirstStep.applies(trainer, pl_module)
         if prof is None:
-            announce_profiling(pl_module, first_step, self._method, auto=self._time_model == "auto")
+            self._choice.announce(pl_module, first_step)
         if first_step:
             self._first = FirstStep(pl_module.device, self._clock, self._clock() - started)  # see FirstStep
             return
         timed = False
         if prof is None:
-            auto, cache_dir = self._time_model == "auto", resolve_cache_dir(self._cache_dir)
-            prof, timed = measure_profile(trainer, pl_module, self._method, cache_dir, prefer_measured=auto)
+            prof, timed = measure_profile(trainer, pl_module, self._choice, resolve_cache_dir(self._cache_dir))
         self._begin(trainer, pl_module, prof, self._clock() - started, timed)
 
     def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:
@@ -216,8 +214,7 @@ class ElasticTensorSelection(Callback):
             return
         self._first = None
         started = self._clock()
-        auto, cache_dir = self._time_model == "auto", resolve_cache_dir(self._cache_dir)
-        prof, timed = measure_profile(trainer, pl_module, self._method, cache_dir, first, prefer_measured=auto)
+        prof, timed = measure_profile(trainer, pl_module, self._choice, resolve_cache_dir(self._cache_dir), first)
         fit = self._begin(trainer, pl_module, prof, self._clock() - started + first.setup_seconds, timed)
         fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
 

@@ -4,8 +4,9 @@ What counts is the training part of the fit: every training step (probe windows 
 from the end of the one before, so data loading and the loop count too), plus profiling, selecting and applying
 a selection. Validation is the same with and without the callback and is left out.
 
-`WallClockPlan` keeps the account. A fit of `N` optimizer steps may take `N * T / s` seconds, `T` the seconds of a
-full step (measured in probe windows, which train every tensor; the profile's estimate before). At each selection
+`WallClockPlan` keeps the account. A fit of `N` optimizer steps may take `(N * T + W) / s` seconds, `T` the seconds
+of a full step (measured in probe windows, which train every tensor; the profile's estimate before) and `W` what full
+fine-tuning's first, slower steps take beyond `T` (measured in the first window's warm-up steps). At each selection
 the plan gives the steps until the horizon (the end of the fit, or of the next interval when the fit's length is
 unknown) what is left: probe steps ahead are charged at `T` each, the selected steps share the rest. Measured
 selected steps feed back twice: they are spent (so any error is made up for later), and the ratio of measured to
@@ -25,7 +26,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling.profile import TimeModel, TimingMethod
 from lightning_elastic.records import Decision, Mask
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
@@ -46,32 +46,6 @@ NARROW_ROOM = 0.05
 # After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
 # re-plans at once, at most REPLANS times in a row (`replan_due`, `session.FitSession.off_plan`).
 REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
-# What a first profile costs, in full training steps, by time model (docs/time_model.md; the fit's first step is its
-# first pass, and the key takes one more when its inputs' shapes differ from the first batch's): "measured" times
-# every backward node and calibrates against plain suffix steps, "flops" counts each op's work and times one full
-# step. MiniLM on e-mails (a 0.6 s step): 4.2 s and 1.7 s.
-PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
-# `time_model="auto"` measures the profile when that costs at most this share of the planned fit (its own-time
-# target), else takes the analytic one.
-PROFILE_SHARE = 0.05
-
-
-def profile_method(time_model: TimeModel, total_steps: int | None, speedup: float) -> TimingMethod:
-    """The time model a fit profiles with: `time_model`, or for "auto" the measured one when its first profile costs
-    at most `PROFILE_SHARE` of the fit's planned `total_steps / speedup` full steps (always when the length is
-    unknown), else the analytic ("flops") one. A measured profile already in the cache is used either way
-    (`harness.measure_profile`).
-
-    Example:
-        >>> profile_method("auto", 280, 2.0), profile_method("auto", 279, 2.0), profile_method("auto", None, 2.0)
-        ('measured', 'flops', 'measured')
-        >>> profile_method("measured", 10, 2.0)
-        'measured'
-    """
-    if time_model != "auto":
-        return time_model
-    affordable = total_steps is None or PROFILE_STEPS["measured"] <= PROFILE_SHARE * total_steps / speedup
-    return "measured" if affordable else "flops"
 
 
 def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:

@@ -36,6 +36,7 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "selected_steps": list(fit.selected_steps),
         "probe_optimizer": list(fit.probe_optimizer),
         "warm_optimizer": list(fit.warmup.updates),
+        "warm_full": [fit.warmup.full_seconds, fit.warmup.full_steps],
         "probe_full": list(fit.probe_full),
     }
 
@@ -73,6 +74,8 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
     fit.selected_steps = [float(s) for s in state.get("selected_steps", [])]
     fit.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
     fit.warmup.updates = [float(s) for s in state.get("warm_optimizer", [])]
+    seconds, steps = state.get("warm_full", (0.0, 0))
+    fit.warmup.full_seconds, fit.warmup.full_steps = float(seconds), int(steps)
     fit.probe_full = [float(s) for s in state.get("probe_full", [])]
     if state.get("plan"):
         restored = WallClockPlan.from_state(state["plan"])

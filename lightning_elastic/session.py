@@ -158,8 +158,9 @@ class FitSession:
             end = step + self.schedule.first_steps
         if self.probe_end is None and end is not None:
             self.open_probe(trainer, end)
-        if self.probe_end is not None:  # a full step: its update's part is added as it ends
-            self.warmup.warmup_seconds += seconds
+        if self.probe_end is not None:  # full steps (its update's part is added as it ends), and any skipped before
+            self.warmup.full_seconds += seconds
+            self.warmup.full_steps += step
         self.step_timer.start()
 
     # ------------------------------------------------------------------ steps and probe windows
@@ -217,8 +218,8 @@ class FitSession:
         self.plan.observe_full_steps(samples)
         if first:
             self.plan.full_step += self.prior_update  # 0 once the window measured a steady step
-        if self.plan.full_samples and self.warmup.warmup_steps:  # a measured `T` only: a prior one may be off
-            self.plan.warmup = self.warmup.excess(self.plan.full_step)
+        if self.plan.full_samples and self.warmup.full_steps:  # against a measured `T` (a prior may be off), anew
+            self.plan.warmup = self.warmup.excess(self.plan.full_step)  # as each window refines it
         return end - self.warmup.ran_on if first else end
 
     @property
@@ -267,8 +268,8 @@ class FitSession:
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time
             # that `T` and the correction read.
             if self.probe_end is not None and not self.history:  # a full step, as full fine-tuning's first ones
-                self.warmup.warmup_seconds += seconds - overhead
-                self.warmup.warmup_steps += 1
+                self.warmup.full_seconds += seconds - overhead
+                self.warmup.full_steps += 1
                 if self.steps_timed > 1:
                     self.warmup.updates.append(optimizer)
             self.warming = False

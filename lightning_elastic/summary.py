@@ -107,7 +107,7 @@ class FitSummary:
         )
 
     def _warmup_term(self) -> str:
-        return f" + {self.warmup_excess_seconds:.1f} s of warm-up" if self.warmup_excess_seconds > 0 else ""
+        return f" + {self.warmup_excess_seconds:.1f} s of warm-up" if self.warmup_excess_seconds >= 0.05 else ""
 
     def table(self) -> str:
         """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""

@@ -217,8 +217,8 @@ class FirstWindow:
             not known).
         ran_on: steps the window ran on past its length.
         updates: optimizer updates of its warm-up steps after the process's first (`prior_update`).
-        warmup_seconds, warmup_steps: the seconds and count of the process's warm-up steps that trained every
-            tensor (the first window's), which the same fit without the callback pays too (`excess`).
+        full_seconds, full_steps: the seconds and count of the process's warm-up steps that trained every tensor
+            (the first window's), whose slowness the same fit without the callback pays too (`excess`).
 
     Example:
         >>> window = FirstWindow(cold=True, warm_step=0.59)
@@ -232,8 +232,8 @@ class FirstWindow:
     warm_step: float = 0.0
     ran_on: int = 0
     updates: list[float] = field(default_factory=list)
-    warmup_seconds: float = 0.0
-    warmup_steps: int = 0
+    full_seconds: float = 0.0
+    full_steps: int = 0
 
     def excess(self, full_step: float) -> float:
         """Seconds the process's warm-up full steps took beyond `full_step` each: what the same fit without the
@@ -241,10 +241,10 @@ class FirstWindow:
         without the callback, MiniLM's steps 1-6 took 0.77-1.01 s against 0.59-0.65 s after.
 
         Example:
-            >>> FirstWindow(warmup_seconds=3.5, warmup_steps=4).excess(0.6)
+            >>> round(FirstWindow(full_seconds=3.5, full_steps=4).excess(0.6), 6)
             1.1
         """
-        return max(0.0, round(self.warmup_seconds - self.warmup_steps * full_step, 12))
+        return max(0.0, self.full_seconds - self.full_steps * full_step)
 
     def reference(self, pass_step: float) -> float:
         """The full step a cold window holds its steps against (COLD_CEILING): `warm_step`, else the profile's

@@ -1,8 +1,9 @@
 """The first training batch to the loss on the real training step: the one harness every caller shares.
 
 `reusable_profile` finds a profile the fit can use without measuring (the one given, a checkpoint's or the last
-fit's while it still describes the training step); `measure_profile` measures one on that step, or reads it from the
-cache, on the first batch or on the batch of the fit's first step (`FirstStep`).
+fit's while it still describes the training step); `ProfileChoice` says which time model a fit profiles with (what
+it can pay for); `measure_profile` measures one on that step, or reads it from the cache, on the first batch or on
+the batch of the fit's first step (`FirstStep`).
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
-from lightning_elastic.planner import PROFILE_SHARE, PROFILE_STEPS
 from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.profiling.graph import StepSignature
 from lightning_elastic.profiling.profile import (
+    TimeModel,
     TimingMethod,
     TimingProfile,
     load_given_profile,
@@ -38,7 +39,15 @@ from lightning_elastic.profiling.profile import (
 from lightning_elastic.profiling.runner import fingerprint, profile
 from lightning_elastic.timing import StepTimer
 
-__all__ = ["FirstStep", "Measured", "PhaseLines", "measure_profile", "reusable_profile", "stale_reason"]
+__all__ = [
+    "FirstStep",
+    "Measured",
+    "PhaseLines",
+    "ProfileChoice",
+    "measure_profile",
+    "reusable_profile",
+    "stale_reason",
+]
 
 
 def reusable_profile(
@@ -69,33 +78,63 @@ def reusable_profile(
     return None
 
 
-def announce_profiling(pl_module: L.LightningModule, first_step: bool, method: TimingMethod, auto: bool) -> None:
-    """Say what profiling is about to cost, before it starts, and why it takes the analytic time model when "auto"
-    chose it (`planner.profile_method`)."""
-    count = sum(p.requires_grad for p in pl_module.parameters())
-    steps = PROFILE_STEPS[method] - first_step  # the fit's first step is the first pass
-    when = "after the first training step's backward pass" if first_step else "on the first batch"
-    what = "analytic (op counts, one timed step)" if method == "flops" else "measured"
-    why = ""
-    if auto and method == "flops":
-        why = (
-            f"; time_model='auto' takes the analytic model, because a measured profile (about "
-            f"{PROFILE_STEPS['measured']} training steps) would be more than {PROFILE_SHARE:.0%} of this fit, and uses "
-            "a cached measured profile of this model when there is one; time_model='measured' measures anyway"
+# What a first profile costs, in full training steps, by time model (docs/time_model.md): "measured" times every
+# backward node and calibrates against plain suffix steps, "flops" counts each op's work and times one full step.
+# One of them is the fit's first step (or a pass of its own for the key). MiniLM on e-mails, a 0.6 s step: 4.2 s and
+# 1.7 s.
+PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
+# `time_model="auto"` measures the profile when that costs at most this share of the planned fit (the fit's own-time
+# target), else takes the analytic one.
+PROFILE_SHARE = 0.05
+
+
+class ProfileChoice(NamedTuple):
+    """The time model a fit profiles with (`of`), and whether a cached measured profile comes first (`auto`)."""
+
+    method: TimingMethod
+    auto: bool
+
+    @classmethod
+    def of(cls, time_model: TimeModel, total_steps: int | None, speedup: float) -> ProfileChoice:
+        """`time_model`, or for "auto" the measured model when its first profile costs at most `PROFILE_SHARE` of
+        the fit's planned `total_steps / speedup` full steps (always when the length is unknown), else the analytic
+        one ("flops"); a measured profile already in the cache is used either way (`measure_profile`).
+
+        Example:
+            >>> ProfileChoice.of("auto", 280, 2.0).method, ProfileChoice.of("auto", 279, 2.0).method
+            ('measured', 'flops')
+            >>> ProfileChoice.of("auto", None, 2.0).method, ProfileChoice.of("measured", 10, 2.0)
+            ('measured', ProfileChoice(method='measured', auto=False))
+        """
+        if time_model != "auto":
+            return cls(time_model, auto=False)
+        affordable = total_steps is None or PROFILE_STEPS["measured"] <= PROFILE_SHARE * total_steps / speedup
+        return cls("measured" if affordable else "flops", auto=True)
+
+    def announce(self, module: nn.Module, first_step: bool) -> None:
+        """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model."""
+        count = sum(p.requires_grad for p in module.parameters())
+        steps = PROFILE_STEPS[self.method] - first_step  # the fit's first step is the first pass
+        when = "after the first training step's backward pass" if first_step else "on the first batch"
+        what = "with the analytic time model (op counts, one timed step)" if self.method == "flops" else "measured"
+        why = ""
+        if self.auto and self.method == "flops":
+            why = (
+                f"; time_model='auto': a measured profile (about {PROFILE_STEPS['measured']} training steps) would be "
+                f"more than {PROFILE_SHARE:.0%} of this fit; time_model='measured' measures anyway"
+            )
+        rank_zero_info(
+            f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {steps} training steps, more on "
+            f"a busy machine; a cached profile of this model on this device is used instead when there is one{why})"
         )
-    rank_zero_info(
-        f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {steps} training steps, more on a "
-        f"busy machine; a cached profile of this model on this device is used instead when there is one{why})"
-    )
 
 
 def measure_profile(
     trainer: L.Trainer,
     pl_module: L.LightningModule,
-    method: TimingMethod,
+    choice: ProfileChoice,
     cache_dir: Path | None,
     first: FirstStep | None = None,
-    prefer_measured: bool = False,
 ) -> Measured:
     """Profile the real training step on the first training batch (or read it from the cache).
 
@@ -106,8 +145,7 @@ def measure_profile(
     longest in its batch) would key a shuffled batch's shapes, and the next run, or the check of a resume or a second
     fit (`stale_reason`, on the first batch), would profile again. So the key, and the shapes timed, are the first
     batch's in every run. `Measured.timed` says whether this process ran the timing passes (which warm it up) or
-    read the cache. With `prefer_measured` (the callback's "auto"), a cached measured profile is taken before
-    `method`'s.
+    read the cache, with the `choice`'s method (for "auto", a cached measured profile first).
     """
     batch = _first_batch(trainer)
     signature = None
@@ -118,11 +156,11 @@ def measure_profile(
         profiled = profile(
             pl_module,
             compute_loss,
-            method=method,
+            method=choice.method,
             cache_dir=cache_dir,
             progress=phases,
             signature=signature,
-            cached_first=("measured",) if prefer_measured and cache_dir is not None else (),
+            cached_first=("measured",) if choice.auto and choice.method != "measured" else (),
         )
     if trainer.world_size > 1:  # the same profile on every rank; whether this process timed it is its own
         profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))

@@ -25,7 +25,7 @@ __all__ = ["TimeModel", "TimingMethod", "TimingProfile"]
 CACHE_ENV = "LIGHTNING_ELASTIC_CACHE_DIR"
 
 TimingMethod = Literal["measured", "flops"]
-# What the callback is told: a method, or "auto" (`planner.profile_method`: the one the fit can pay for).
+# What the callback is told: a method, or "auto" (`harness.ProfileChoice`: the one the fit can pay for).
 TimeModel = Literal["auto", "measured", "flops"]
 
 FORMAT_VERSION = 1
@@ -264,10 +264,15 @@ def read_profile(path: Path) -> TimingProfile:
     return TimingProfile.from_dict(json.loads(path.read_text()))
 
 
-def load_cached(path: Path, fingerprint: str) -> TimingProfile | None:
-    """The cached profile at ``path`` if it is current; else None, with a warning for a bad file."""
+def load_cached(path: Path, fingerprint: str, quiet: bool = False) -> TimingProfile | None:
+    """The cached profile at ``path`` if it is current; else None, with a warning for a bad file (unless `quiet`:
+    a profile only looked for, which this run will not measure again)."""
     if not path.exists():
         return None
+    if quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load_cached(path, fingerprint)
     try:
         prof = read_profile(path)
     except StaleProfileError as err:

@@ -76,7 +76,8 @@ def profile(
             that step was the device's warm-up. Its backward graph must be the one of every candidate trained.
         cached_first: methods whose cached profile of this step is taken, when there is one, before the cache of
             ``method`` is looked up or anything is timed (the callback's "auto" prefers a measured profile it
-            need not pay for). Needs ``cache_dir``.
+            need not pay for). A stale or corrupt entry of theirs is passed over without a word: this run does not
+            measure them again.
 
     Returns:
         The `TimingProfile`.
@@ -106,10 +107,10 @@ def profile(
         if signature is None:
             runner.progress(1, PHASES, "the step's fingerprint (one forward and backward pass)")
             signature = runner.signature()
-        for looked_up in (*cached_first, method):
+        for looked_up in dict.fromkeys((*cached_first, method)):  # a bad entry of one only asked first: no warning
             fingerprint = cache_key(signature, runner.device, runner.candidates, looked_up)
             path = None if cache_dir is None else cache_file(Path(cache_dir), fingerprint)
-            cached = None if path is None else load_cached(path, fingerprint)
+            cached = None if path is None else load_cached(path, fingerprint, quiet=looked_up != method)
             if cached is not None:
                 return cached
         result = runner.run(method, warmup, repeats)

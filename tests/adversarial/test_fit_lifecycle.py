@@ -102,6 +102,36 @@ def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert resumed.summary()["fit_speedup"] > 1.0
 
 
+def test_a_resume_before_t_is_measured_keeps_the_warm_up_the_first_window_measured(tmp_path: Path) -> None:
+    """The first window (2 steps, both of the process's slow first steps) measures full fine-tuning's warm-up, but
+    only a later window's steady `T` turns it into the plan's `warmup`. A checkpoint in between carries it, so the
+    resumed fit plans with what the uninterrupted one does (before, the resumed one planned with none)."""
+    settings: dict[str, Any] = dict(speedup=1.5, profile=PROFILE, interval=8, interval_unit="step", probe_steps=2)
+
+    def device() -> VirtualDevice:
+        return VirtualDevice(1.0, slow=(2, 1.6))
+
+    plain = device()
+    uninterrupted = ElasticTensorSelection(clock=plain.clock, **settings)
+    tiny_trainer(callbacks=[plain, uninterrupted], max_steps=24, max_epochs=-1).fit(TinyNet(), tiny_data())
+    assert uninterrupted._fit is not None
+    assert uninterrupted._fit.plan.warmup == pytest.approx(2 * 0.6 * PROFILE.t_full)
+    crashing = device()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    first = ElasticTensorSelection(clock=crashing.clock, **settings)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tiny_trainer(
+            callbacks=[crashing, first, checkpoint, Crash(5)], max_steps=24, max_epochs=-1, enable_checkpointing=True
+        ).fit(TinyNet(), tiny_data())
+    ckpt = next(tmp_path.glob("*step=4.ckpt"))
+    resumed_device = device()
+    resumed = ElasticTensorSelection(clock=resumed_device.clock, **settings)
+    tiny_trainer(callbacks=[resumed_device, resumed], max_steps=24, max_epochs=-1).fit(
+        TinyNet(), tiny_data(), ckpt_path=ckpt
+    )
+    assert resumed._fit is not None and resumed._fit.plan.warmup == pytest.approx(uninterrupted._fit.plan.warmup)
+
+
 def test_the_model_is_given_back_as_the_user_had_it() -> None:
     """A fit ending while a selection is in force leaves every tensor's `requires_grad` as it was before."""
     module = TinyNet()

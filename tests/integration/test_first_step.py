@@ -16,8 +16,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
-from lightning_elastic import ElasticTensorSelection, planner, windows
+from lightning_elastic import ElasticTensorSelection, windows
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling import harness
 from lightning_elastic.profiling.harness import FirstStep
 from lightning_elastic.profiling.runner import Runner
 from tests.integration.test_callback import Recorder
@@ -84,7 +85,7 @@ def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_meas
     with caplog.at_level(logging.INFO):
         tiny_trainer(callbacks=[short], max_steps=8).fit(Counted(), tiny_data())
     assert short.timing_profile is not None and short.timing_profile.method == "flops"
-    assert "time_model='auto' takes the analytic model" in caplog.text
+    assert "analytic time model" in caplog.text and "time_model='auto': a measured profile" in caplog.text
     measured = elastic(tmp_path, time_model="measured")  # an explicit choice holds in a short fit
     tiny_trainer(callbacks=[measured], max_steps=8).fit(Counted(), tiny_data())
     assert measured.timing_profile is not None and measured.timing_profile.method == "measured"
@@ -93,7 +94,7 @@ def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_meas
     assert again.timing_profile is not None and again.timing_profile.method == "measured"  # not the flops one
     assert again.timing_profile.fingerprint == measured.timing_profile.fingerprint
     assert model.calls == 8  # read from the cache: no pass of profiling
-    monkeypatch.setattr(planner, "PROFILE_SHARE", 1.0)  # 7 steps of an 8-step fit: affordable now
+    monkeypatch.setattr(harness, "PROFILE_SHARE", 1.0)  # 7 steps of an 8-step fit: affordable now
     long = elastic(tmp_path / "empty")
     tiny_trainer(callbacks=[long], max_steps=8).fit(Counted(), tiny_data())
     assert long.timing_profile is not None and long.timing_profile.method == "measured"

@@ -341,20 +341,6 @@ def test_a_selection_is_replanned_when_it_runs_off_plan_and_a_new_one_could_diff
     assert planner.replan_due(ratio, decision, Mask.of(forbidden)) is due
 
 
-@pytest.mark.parametrize("speedup", [1.5, 2.0, 3.0])
-def test_auto_measures_the_profile_from_the_fit_length_where_it_costs_at_most_its_share(speedup: float) -> None:
-    """`profile_method`: the measured profile's steps against `PROFILE_SHARE` of the planned full steps `N / s`."""
-    steps, share = planner.PROFILE_STEPS["measured"], planner.PROFILE_SHARE
-    # The shortest fit that pays for it, by brute force over fit lengths.
-    shortest = next(n for n in range(1, 10_000) if steps / (n / speedup) <= share + 1e-12)
-    assert planner.profile_method("auto", shortest, speedup) == "measured"
-    assert planner.profile_method("auto", shortest - 1, speedup) == "flops"
-    assert planner.profile_method("auto", None, speedup) == "measured"  # unknown length: a long fit
-    for asked in ("measured", "flops"):
-        assert planner.profile_method(asked, 1, speedup) == asked  # an explicit choice holds at any length
-        assert planner.profile_method(asked, 10**6, speedup) == asked
-
-
 def test_the_plan_adds_full_fine_tunings_warm_up_to_what_it_allows() -> None:
     """`warmup`: the seconds the same fit without the callback spends on its first, slower steps beyond `T` each."""
     plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.5, warmup=3.0)

@@ -357,3 +357,21 @@ def test_a_cached_profile_of_a_method_asked_first_is_taken_before_anything_is_ti
     phases.clear()
     assert profile(net, loss, method="flops", clock=clock, cache_dir=tmp_path, progress=record) == flops
     assert phases == [1]
+
+
+def test_a_corrupt_profile_only_asked_first_is_passed_over_without_a_word(tmp_path: Path) -> None:
+    """It is not measured again in this run, so "measuring again" would be wrong; the method's own entry still warns."""
+    clock = FakeClock()
+    net = nn.Sequential(*[FakeLayer(clock, (1.0, 2.0, 3.0)) for _ in range(2)])
+    x = torch.randn(2, 3)
+    profile(net, lambda: net(x).sum(), method="measured", clock=clock, cache_dir=tmp_path)
+    (entry,) = tmp_path.glob("timing-*.json")
+    entry.write_text("{not json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prof = profile(net, lambda: net(x).sum(), method="flops", clock=clock, cache_dir=tmp_path, cached_first=("measured",))
+    assert prof.method == "flops"
+    with pytest.warns(UserWarning, match="corrupt .* measuring again") as said:
+        again = profile(net, lambda: net(x).sum(), method="measured", clock=clock, cache_dir=tmp_path, cached_first=("measured",))
+    assert again.method == "measured"
+    assert sum("corrupt" in str(w.message) for w in said) == 1  # looked up once, though asked first and as `method`
