@@ -160,7 +160,7 @@ def measure_profile(
             cache_dir=cache_dir,
             progress=phases,
             signature=signature,
-            cached_first=("measured",) if choice.auto and choice.method != "measured" else (),
+            cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
         )
     if trainer.world_size > 1:  # the same profile on every rank; whether this process timed it is its own
         profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
