@@ -193,15 +193,16 @@ class ElasticTensorSelection(Callback):
         started = self._clock()
         self._user = freeze_never(pl_module, self._train_always, self._train_never, self._bn_policy)  # before any pass
         restored = self._restored.get("profile") if self._restored else None
-        prof, timed = reusable_profile(trainer, pl_module, self._given_profile, restored, self._profile), False
-        self._choice = ProfileChoice.of(self._time_model, self._schedule[1], self._speedup)
+        first_step = self._restored is None and FirstStep.applies(trainer, pl_module)
+        self._choice = choice = ProfileChoice.of(self._time_model, self._schedule[1], self._speedup, first_step)
+        prof = reusable_profile(trainer, pl_module, self._given_profile, restored, self._profile, choice)
+        timed = False
         if prof is None:
-            first_step = self._restored is None and FirstStep.applies(trainer, pl_module)
-            self._choice.announce(pl_module, first_step)
+            choice.announce(pl_module)
             if first_step:
                 self._first = FirstStep(pl_module.device, self._clock, self._clock() - started)  # see FirstStep
                 return
-            prof, timed = measure_profile(trainer, pl_module, self._choice, resolve_cache_dir(self._cache_dir))
+            prof, timed = measure_profile(trainer, pl_module, choice, resolve_cache_dir(self._cache_dir))
         self._begin(trainer, pl_module, prof, self._clock() - started, timed)
 
     def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:

@@ -56,12 +56,23 @@ def reusable_profile(
     given: TimingProfile | str | os.PathLike[str] | None,
     restored: Mapping[str, Any] | None,
     previous: TimingProfile | None,
+    choice: ProfileChoice,
 ) -> TimingProfile | None:
     """The given profile; else the checkpoint's (`restored`) or the last fit's, if they describe this module; else
-    None (the fit measures one, or reads it from the cache)."""
+    None (the fit measures one, or reads it from the cache).
+
+    The last fit's analytic profile is not this fit's when `choice` pays for a measured one (a short "auto" fit,
+    then a long one): a better time model is worth what it costs there. A measured one serves any choice.
+    """
     loaded = load_given_profile(given)
     if loaded is not None:
         return loaded
+    if previous is not None and previous.method == "flops" and choice.method == "measured":
+        rank_zero_info(
+            "ElasticTensorSelection: the previous fit's timing profile is analytic (time_model 'flops'); this fit "
+            "can pay for a measured one, so it profiles again."
+        )
+        previous = None
     for source, candidate in (
         ("checkpoint's", TimingProfile.from_dict(restored) if restored else None),
         ("previous fit's", previous),
@@ -89,43 +100,58 @@ PROFILE_SHARE = 0.05
 
 
 class ProfileChoice(NamedTuple):
-    """The time model a fit profiles with (`of`), and whether a cached measured profile comes first (`auto`)."""
+    """The time model a fit profiles with (`of`), whether a cached measured profile comes first (`auto`), and
+    whether profiling takes the fit's first step as its first pass (`first_step`, `FirstStep`)."""
 
     method: TimingMethod
     auto: bool
+    first_step: bool = False
 
     @classmethod
-    def of(cls, time_model: TimeModel, total_steps: int | None, speedup: float) -> ProfileChoice:
-        """`time_model`, or for "auto" the measured model when its first profile costs at most `PROFILE_SHARE` of
-        the fit's planned `total_steps / speedup` full steps (always when the length is unknown), else the analytic
-        one ("flops"); a measured profile already in the cache is used either way (`measure_profile`).
+    def of(
+        cls, time_model: TimeModel, total_steps: int | None, speedup: float, first_step: bool = False
+    ) -> ProfileChoice:
+        """`time_model`, or for "auto" the measured model when its first profile (`steps`) costs at most
+        `PROFILE_SHARE` of the fit's planned `total_steps / speedup` full steps (always when the length is unknown),
+        else the analytic one ("flops"); a measured profile already in the cache is used either way
+        (`measure_profile`).
 
         Example:
             >>> ProfileChoice.of("auto", 280, 2.0).method, ProfileChoice.of("auto", 279, 2.0).method
             ('measured', 'flops')
+            >>> ProfileChoice.of("auto", 240, 2.0, first_step=True).method  # the first step is its first pass
+            'measured'
             >>> ProfileChoice.of("auto", None, 2.0).method, ProfileChoice.of("measured", 10, 2.0)
-            ('measured', ProfileChoice(method='measured', auto=False))
+            ('measured', ProfileChoice(method='measured', auto=False, first_step=False))
         """
         if time_model != "auto":
-            return cls(time_model, auto=False)
-        affordable = total_steps is None or PROFILE_STEPS["measured"] <= PROFILE_SHARE * total_steps / speedup
-        return cls("measured" if affordable else "flops", auto=True)
+            return cls(time_model, auto=False, first_step=first_step)
+        measured = cls("measured", auto=True, first_step=first_step)
+        affordable = total_steps is None or measured.steps <= PROFILE_SHARE * total_steps / speedup
+        return measured if affordable else cls("flops", auto=True, first_step=first_step)
 
-    def announce(self, module: nn.Module, first_step: bool) -> None:
+    @property
+    def steps(self) -> int:
+        """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less the fit's first step when
+        that is the profile's first pass."""
+        return PROFILE_STEPS[self.method] - self.first_step
+
+    def announce(self, module: nn.Module) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model."""
         count = sum(p.requires_grad for p in module.parameters())
-        steps = PROFILE_STEPS[self.method] - first_step  # the fit's first step is the first pass
-        when = "after the first training step's backward pass" if first_step else "on the first batch"
+        when = "after the first training step's backward pass" if self.first_step else "on the first batch"
         what = "with the analytic time model (op counts, one timed step)" if self.method == "flops" else "measured"
         why = ""
         if self.auto and self.method == "flops":
+            measured = self._replace(method="measured")
             why = (
-                f"; time_model='auto': a measured profile (about {PROFILE_STEPS['measured']} training steps) would be "
+                f"; time_model='auto': a measured profile (about {measured.steps} training steps) would be "
                 f"more than {PROFILE_SHARE:.0%} of this fit; time_model='measured' measures anyway"
             )
         rank_zero_info(
-            f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {steps} training steps, more on "
-            f"a busy machine; a cached profile of this model on this device is used instead when there is one{why})"
+            f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {self.steps} training steps, "
+            f"more on a busy machine; a cached profile of this model on this device is used instead when there is "
+            f"one{why})"
         )
 
 

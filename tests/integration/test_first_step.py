@@ -100,6 +100,26 @@ def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_meas
     assert long.timing_profile is not None and long.timing_profile.method == "measured"
 
 
+def test_a_second_fit_that_can_pay_for_a_measured_profile_does_not_keep_the_first_fits_analytic_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One callback, a short fit (analytic profile), then one that can pay for a measured profile: it measures one,
+    and says why; a third, short again, keeps that measured profile and profiles no more."""
+    callback = elastic(tmp_path)
+    tiny_trainer(callbacks=[callback], max_steps=8).fit(Counted(), tiny_data())
+    assert callback.timing_profile is not None and callback.timing_profile.method == "flops"
+    monkeypatch.setattr(harness, "PROFILE_SHARE", 1.0)  # 6 steps of an 8-step fit: affordable now
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[callback], max_steps=8).fit(Counted(), tiny_data())
+    assert callback.timing_profile is not None and callback.timing_profile.method == "measured"
+    assert "the previous fit's timing profile is analytic (time_model 'flops')" in caplog.text
+    monkeypatch.setattr(harness, "PROFILE_SHARE", 0.05)
+    third = Counted()
+    tiny_trainer(callbacks=[callback], max_steps=8).fit(third, tiny_data())
+    assert callback.timing_profile.method == "measured"  # a measured profile serves a fit of any length
+    assert third.calls == 8 + 1  # and costs no profiling: only the stale check's fingerprint pass
+
+
 def test_the_first_step_trains_as_it_would_without_the_callback() -> None:
     """Profiling between its backward pass and its update leaves the update, BatchNorm, dropout and metrics alone."""
     results = []
