@@ -48,6 +48,24 @@ def test_optimizer_time_is_shared_by_elements_and_loop_time_is_fixed() -> None:
         StepTimeModel.from_profile(profile, optimizer_seconds=-1)
 
 
+@pytest.mark.parametrize("full_step", [4.0, 6.5, 9.0])  # less the update (0.5): below, at and above the profile's 6.0
+def test_the_calibrated_model_predicts_the_measured_full_step_from_either_side(full_step: float) -> None:
+    """A profile timed slower than the fit's steady step (a process still warming up) is scaled down to it, every
+    term alike; one timed faster keeps its terms and charges the rest of the step to every step (the loop)."""
+    profile = make_profile((1.0, 1.0, 0.5), (0.5, 1.0, 1.0), t_fw=1.5, numel=(100, 300, 100))
+    assert profile.t_full == 6.0
+    optimizer = 0.5
+    model = StepTimeModel.calibrated(profile, full_step=full_step, optimizer_seconds=optimizer)
+    assert model.full == pytest.approx(full_step)
+    base = StepTimeModel.from_profile(profile)
+    ratio = min(1.0, (full_step - optimizer) / profile.t_full)
+    loop = max(0.0, full_step - optimizer - profile.t_full)
+    for mask in itertools.product([False, True], repeat=3):
+        update = optimizer * sum(n for n, m in zip(profile.numel, mask, strict=True) if m) / 500
+        expected = ratio * base.predict(mask) + loop + update
+        assert model.predict(mask) == pytest.approx(expected)
+
+
 def test_budget_selection_meets_the_speedup_target() -> None:
     model = StepTimeModel(t_dw=(3.0, 2.0, 2.0, 1.0), t_dy=(0.0, 3.0, 2.0, 1.0), t_fixed=4.0)
     for speedup in (1.2, 1.5, 2.0):
