@@ -122,9 +122,8 @@ class StepTimeModel:
 
         The measured optimizer update is shared by elements; whatever else the real step takes beyond the profiled
         forward and backward (the training loop, logging, data transfer) is charged to every step. A profile whose
-        step took longer than the measured one less its update (timed in a process still warming up: four of five
-        ELPV short-fit first runs profiled a step at 1.07-1.24x the `T` their steady steps measured) is scaled down
-        to it, every term alike: the model keeps the profile's proportions and predicts the step the fit measures.
+        step took longer than the measured one less its update (timed while the process was still warming up) is
+        scaled down to it, every term alike (docs/how_it_works.md).
 
         Example:
             >>> from lightning_elastic.profiling import TimingProfile

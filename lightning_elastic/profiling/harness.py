@@ -62,22 +62,23 @@ def reusable_profile(
     None (the fit measures one, or reads it from the cache).
 
     The last fit's analytic profile is not this fit's when `choice` pays for a measured one (a short "auto" fit,
-    then a long one): a better time model is worth what it costs there. A measured one serves any choice.
+    then a long one); a measured one serves any choice. A checkpoint's profile is kept whichever method took it: the
+    resumed fit goes on with the plan it made with it.
     """
     loaded = load_given_profile(given)
     if loaded is not None:
         return loaded
-    if previous is not None and previous.method == "flops" and choice.method == "measured":
-        rank_zero_info(
-            "ElasticTensorSelection: the previous fit's timing profile is analytic (time_model 'flops'); this fit "
-            "can pay for a measured one, so it profiles again."
-        )
-        previous = None
     for source, candidate in (
         ("checkpoint's", TimingProfile.from_dict(restored) if restored else None),
         ("previous fit's", previous),
     ):
         if candidate is None:
+            continue
+        if candidate is previous and candidate.method == "flops" and choice.method == "measured":
+            rank_zero_info(
+                "ElasticTensorSelection: the previous fit's timing profile is analytic (time_model 'flops'); this "
+                "fit can pay for a measured one, so it profiles again."
+            )
             continue
         reason = stale_reason(trainer, pl_module, candidate)
         if reason is None:
@@ -134,7 +135,7 @@ class ProfileChoice(NamedTuple):
     def steps(self) -> int:
         """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less the fit's first step when
         that is the profile's first pass."""
-        return PROFILE_STEPS[self.method] - self.first_step
+        return PROFILE_STEPS[self.method] - int(self.first_step)
 
     def announce(self, module: nn.Module) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model."""

@@ -80,7 +80,7 @@ def test_profiling_takes_no_fingerprint_pass_and_a_cached_profile_costs_no_pass_
 def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_measured_profile_first(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`time_model="auto"`: an 8-step fit cannot pay for a measured profile (about 7 steps), a long one can."""
+    """`time_model="auto"`: an 8-step fit cannot pay for a measured profile (about 6 steps), a long one can."""
     short = elastic(tmp_path)
     with caplog.at_level(logging.INFO):
         tiny_trainer(callbacks=[short], max_steps=8).fit(Counted(), tiny_data())
@@ -94,10 +94,13 @@ def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_meas
     assert again.timing_profile is not None and again.timing_profile.method == "measured"  # not the flops one
     assert again.timing_profile.fingerprint == measured.timing_profile.fingerprint
     assert model.calls == 8  # read from the cache: no pass of profiling
-    monkeypatch.setattr(harness, "PROFILE_SHARE", 1.0)  # 7 steps of an 8-step fit: affordable now
+    # 0.8 of an 8-step fit's 7.99 planned full steps: the 6 a measured profile costs when the fit's first step is its
+    # first pass fit in it, the 7 it costs when profiling takes a pass of its own would not
+    monkeypatch.setattr(harness, "PROFILE_SHARE", 0.8)
     long = elastic(tmp_path / "empty")
     tiny_trainer(callbacks=[long], max_steps=8).fit(Counted(), tiny_data())
     assert long.timing_profile is not None and long.timing_profile.method == "measured"
+    assert long._choice == ("measured", True, True)
 
 
 def test_a_second_fit_that_can_pay_for_a_measured_profile_does_not_keep_the_first_fits_analytic_one(
@@ -108,12 +111,13 @@ def test_a_second_fit_that_can_pay_for_a_measured_profile_does_not_keep_the_firs
     callback = elastic(tmp_path)
     tiny_trainer(callbacks=[callback], max_steps=8).fit(Counted(), tiny_data())
     assert callback.timing_profile is not None and callback.timing_profile.method == "flops"
+    share = harness.PROFILE_SHARE
     monkeypatch.setattr(harness, "PROFILE_SHARE", 1.0)  # 6 steps of an 8-step fit: affordable now
     with caplog.at_level(logging.INFO):
         tiny_trainer(callbacks=[callback], max_steps=8).fit(Counted(), tiny_data())
     assert callback.timing_profile is not None and callback.timing_profile.method == "measured"
     assert "the previous fit's timing profile is analytic (time_model 'flops')" in caplog.text
-    monkeypatch.setattr(harness, "PROFILE_SHARE", 0.05)
+    monkeypatch.setattr(harness, "PROFILE_SHARE", share)
     third = Counted()
     tiny_trainer(callbacks=[callback], max_steps=8).fit(third, tiny_data())
     assert callback.timing_profile.method == "measured"  # a measured profile serves a fit of any length

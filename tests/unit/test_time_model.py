@@ -1,5 +1,6 @@
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -52,7 +53,8 @@ def test_optimizer_time_is_shared_by_elements_and_loop_time_is_fixed() -> None:
 def test_the_calibrated_model_predicts_the_measured_full_step_from_either_side(full_step: float) -> None:
     """A profile timed slower than the fit's steady step (a process still warming up) is scaled down to it, every
     term alike; one timed faster keeps its terms and charges the rest of the step to every step (the loop)."""
-    profile = make_profile((1.0, 1.0, 0.5), (0.5, 1.0, 1.0), t_fw=1.5, numel=(100, 300, 100))
+    plain = make_profile((1.0, 1.0, 0.5), (0.5, 1.0, 1.0), t_fw=1.0, numel=(100, 300, 100))
+    profile = replace(plain, t_tail=0.5, t_full=plain.t_full + 0.5)  # the loss's backward, paid by every selection
     assert profile.t_full == 6.0
     optimizer = 0.5
     model = StepTimeModel.calibrated(profile, full_step=full_step, optimizer_seconds=optimizer)
