@@ -70,8 +70,9 @@ class ElasticTensorSelection(Callback):
         probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (3%) of
             the fit, the first long enough to time steady full steps when the fit can pay for it; or the steps of
             every window, each full training steps that measure every tensor's importance.
-        time_model: "measured" (per-tensor times profiled on this device, about 7 training steps), "flops" (op counts
-            scaled to one timed step, about 3), or "auto": measured when it costs at most 5% of the planned fit.
+        time_model: "measured" (per-tensor times profiled on this device, about 6-7 training steps), "flops" (op
+            counts scaled to one timed step, about 3), or "auto" (default): measured when it costs at most 5% of the
+            planned fit or a measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.
