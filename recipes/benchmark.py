@@ -39,6 +39,7 @@ from elastic_zoo.benchmark.measure import run_isolated
 from elastic_zoo.benchmark.methods import benchmark_problems, methods_of, run_config
 from elastic_zoo.benchmark.paired import paired_report
 from elastic_zoo.benchmark.plots import log_tensorboard, plot_accuracy, plot_selections
+from elastic_zoo.benchmark.provenance import code_provenance
 from elastic_zoo.benchmark.readout import read_out
 from elastic_zoo.benchmark.report import failures, markdown_report, table_rows, write_csv
 from elastic_zoo.recipe import ConfigError, build, exit_on_config_error, quiet_console
@@ -71,6 +72,10 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
             problems += err.problems
     if problems:
         raise ConfigError(problems)
+    code = code_provenance()  # the spawned runs import what this process imported
+    print(f"[benchmark] {code.line()}", flush=True)
+    if (mismatch := code.mismatch(Path(__file__).resolve().parents[1])) is not None:
+        print(mismatch, file=sys.stderr, flush=True)
     output_dir = Path(cfg.paths.output_dir)
     metric = cfg.benchmark.metric
     (output_dir / "runs").mkdir(parents=True, exist_ok=True)
@@ -103,7 +108,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         plot_accuracy(done, fraction, output_dir / "accuracy_vs_time.png", metric)
         plot_selections(done, output_dir / "selection_maps.png")
         seconds = time.perf_counter() - started
-        report = markdown_report(cfg, rows, seconds) + paired_report(done, metric) + failures(failed)
+        report = markdown_report(cfg, rows, seconds, code) + paired_report(done, metric) + failures(failed)
         log_tensorboard(done, report, fraction, output_dir, metric)
     (output_dir / "results.md").write_text(report)
     print(report)

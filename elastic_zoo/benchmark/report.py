@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from elastic_zoo.benchmark.provenance import CodeProvenance
 from elastic_zoo.benchmark.readout import LABELS, MEANINGS, Metric, read_out
 from elastic_zoo.recipe import chosen_option
 
@@ -150,8 +151,8 @@ def _by_method(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
     return grouped
 
 
-def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: float) -> str:
-    """The results as markdown: the comparison table, the elastic runs' own figures, and the targets."""
+def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: float, code: CodeProvenance) -> str:
+    """The results as markdown: the code measured, the comparison table, the elastic runs' own figures, the targets."""
     bench = cfg.benchmark
     metric = str(bench.metric)
     grouped = _by_method(rows)
@@ -170,6 +171,7 @@ def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: fl
         f"{cfg.module.optimizer} lr {cfg.module.lr:g}; elastic: re-selection every {cfg.elastic.interval} "
         f"{cfg.elastic.interval_unit}(s), probe steps {cfg.elastic.probe_steps}; device {chosen_option(cfg, 'device')} "
         f"({torch.get_num_threads()} threads)",
+        f"- {code.line()}",
         f"- benchmark wall time {seconds / 60:.1f} min; figures are mean ± sample standard deviation over seeds",
         f"- evaluation: {_sizes(rows, 'val_images')} validation images (one image = "
         f"{100 / max(1, min(r['val_images'] for r in rows)):.2f} points), {_sizes(rows, 'test_images')} test images",

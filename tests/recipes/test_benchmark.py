@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from elastic_zoo.benchmark.methods import Method, benchmark_problems, methods_of, run_config
 from elastic_zoo.benchmark.plots import accuracy_figure, plot_selections
+from elastic_zoo.benchmark.provenance import CodeProvenance, code_provenance
 from elastic_zoo.benchmark.report import markdown_report, table_rows, time_to_accuracy
 from elastic_zoo.models import tiny_cnn
 from elastic_zoo.module import ImageClassifier
@@ -27,6 +28,7 @@ from lightning_elastic.records import Decision, Mask, SelectionRecord
 from tests.integration.tiny import synthetic_profile
 from tests.recipes.recipe_fakes import CONF, REPO, compose_config, fake_fashion_mnist
 
+CODE = CodeProvenance(Path("/src/lightning_elastic"), "a" * 40, dirty=False)
 PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
 CSV_COLUMNS = [
     "method", "seed", "metric", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
@@ -127,10 +129,11 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     assert by["elastic_2x", 0]["train_speedup_vs_full"] == pytest.approx(99 / 49)
     assert by["elastic_2x", 0]["overhead_share"] == pytest.approx((3.0 + 2.0 + 0.01 + 0.002) / 49)
     cfg = compose_config(["benchmark.seeds=[0,1]"], tmp_path, name="benchmark")
-    report = markdown_report(cfg, rows, 60.0)
+    report = markdown_report(cfg, rows, 60.0, CODE)
     row = "| elastic_2x | 50 ± 0% | 55.0 ± 7.1 | 2.00 ± 0.00 | 2.02 ± 0.00 | 2750 ± 354 | 79.8 ± 13.8 | 79.5 ± 13.4 | 79.5 ± 13.4 "
     assert row + "| 46.7 ± 18.9 | 100 ± 0 | 1.000 ± 0.000 |" in report
     assert "| 30.0 (1/2) |" in report  # only the second seed of head_only reaches its target: counted apart
+    assert "- code: lightning_elastic from /src/lightning_elastic, commit aaaaaaaaaaa\n" in report
     assert "- evaluation: 400 validation images (one image = 0.25 points), 1,000 test images" in report
     assert "- end-to-end wall clock >= 1.8x faster than full fine-tuning: 2.00x, met" in report
     assert "- elastic_2x: asked 2x, got 2.02 ± 0.00x: met" in report
@@ -139,7 +142,7 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     assert "- selected step <= 0.55 of the full step measured in the same run: 0.500, met (against the full " in report
     # no steady full step in any elastic run (every probe step a warm-up step): said so, not "nan, missed"
     unmeasured = [dict(r, step_fraction=math.nan) if r["method"] == "elastic_2x" else r for r in rows]
-    report = markdown_report(cfg, unmeasured, 60.0)
+    report = markdown_report(cfg, unmeasured, 60.0, CODE)
     assert "same run: not checked (no run measured a steady full step) (against the full fine-tuning run's" in report
 
 
@@ -176,7 +179,7 @@ def test_tables_read_out_the_chosen_metric_of_runs_that_recorded_both(tmp_path: 
     # 99% of full's best: 0.792 plain, reached by elastic at its second validation (50 s); 0.693 balanced, never
     assert plain["elastic_2x"]["time_to_target_s"] == 50.0 and math.isnan(balanced["elastic_2x"]["time_to_target_s"])
     cfg = compose_config(["benchmark.seeds=[0]", "benchmark.metric=balanced_acc"], tmp_path, name="benchmark")
-    report = markdown_report(cfg, list(balanced.values()), 60.0)
+    report = markdown_report(cfg, list(balanced.values()), 60.0, CODE)
     assert "| best balanced_acc (%) | final balanced_acc (%) | test balanced_acc (%) |" in report
     assert "| 2.00 | 2.02 | 2500 | 65.0 | 60.0 | 62.0 | n/a |" in report
     assert "balanced_acc: balanced accuracy (the mean over classes of each class's recall" in report
@@ -223,6 +226,41 @@ def test_time_to_accuracy_is_the_first_validation_that_reaches_the_target() -> N
     curve = [{"seconds": 1.0, "value": 0.2}, {"seconds": 2.0, "value": 0.9}, {"seconds": 3.0, "value": 0.95}]
     assert time_to_accuracy(curve, 0.9) == 2.0
     assert math.isnan(time_to_accuracy(curve, 0.96))
+
+
+def _git(folder: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True)
+
+
+def test_the_report_names_the_commit_of_the_library_measured_and_its_uncommitted_changes(tmp_path: Path) -> None:
+    checkout = tmp_path / "checkout"
+    for path in ("lightning_elastic/__init__.py", "elastic_zoo/models.py", "README.md"):
+        (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / path).write_text("x = 1\n")
+    _git(tmp_path, "init", "-q", str(checkout))
+    _git(checkout, "add", ".")
+    _git(checkout, "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    library = checkout / "lightning_elastic"
+    assert code_provenance(library) == CodeProvenance(library.resolve(), head.strip(), dirty=False)
+    (checkout / "README.md").write_text("prose\n")  # not measured code: still clean
+    assert not code_provenance(library).dirty
+    (checkout / "elastic_zoo" / "models.py").write_text("x = 2\n")
+    assert code_provenance(library).dirty
+    assert code_provenance(library).line() == f"code: lightning_elastic from {library.resolve()}, commit {head[:11]} with uncommitted changes"
+    assert code_provenance(library).mismatch(checkout) is None
+    other = tmp_path / "worktree"
+    assert code_provenance(library).mismatch(other) == (
+        f"benchmark: the library measured is {library.resolve()}, not this checkout's {other.resolve()}/lightning_elastic: "
+        f"the figures are that code's. To measure this checkout, run with PYTHONPATH={other.resolve()}"
+    )
+    # A copy outside git (an installed package), or ignored inside a checkout: no commit is claimed for it.
+    (checkout / ".gitignore").write_text("site/\n")
+    copy = checkout / "site" / "lightning_elastic"
+    copy.mkdir(parents=True)
+    (copy / "__init__.py").write_text("x = 1\n")
+    assert code_provenance(copy) == CodeProvenance(copy.resolve(), "", dirty=False)
+    assert code_provenance(copy).line() == f"code: lightning_elastic from {copy.resolve()} (not in a git checkout)"
 
 
 def test_method_names_say_the_speedup() -> None:
@@ -284,6 +322,8 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
     assert float(rows[0]["speedup_vs_full"]) == 1.0
     report = (run / "results.md").read_text()
     assert report in result.stdout
+    code = code_provenance(REPO / "lightning_elastic")  # PYTHONPATH: this checkout's code, and no warning about it
+    assert f"- {code.line()}\n" in report and code.commit and "the library measured is" not in result.stderr
     assert all(f"| {m} |" in report for m in methods) and "## Targets (elastic_1.5x" in report
     assert (run / "accuracy_vs_time.png").stat().st_size > 10_000
     assert (run / "selection_maps.png").stat().st_size > 5_000
