@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
 import multiprocessing
+import os
 import resource
+import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -32,7 +36,7 @@ def run_isolated(config: dict[str, Any], method: Method, path: Path) -> dict[str
     A run that fails gives a record with its `error` instead of figures, so the other methods still run.
     """
     context = multiprocessing.get_context("spawn")
-    process = context.Process(target=run_method, args=(config, method, str(path)))
+    process = context.Process(target=run_method, args=(config, method, str(path), os.getpid()))
     process.start()
     process.join()
     result: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
@@ -43,16 +47,33 @@ def run_isolated(config: dict[str, Any], method: Method, path: Path) -> dict[str
     return result
 
 
-def run_method(config: dict[str, Any], method: Method, path: str) -> None:
+def run_method(config: dict[str, Any], method: Method, path: str, parent: int) -> None:
     """Fit one method under measurement, test it, and write everything measured to `path` as JSON.
 
-    On an error, `path` holds the error's message and the process ends with the traceback.
+    On an error, `path` holds the error's message and the process ends with the traceback. The run ends with the
+    benchmark process `parent` that started it (`die_with_parent`).
     """
+    die_with_parent(parent)
     try:
         measure(OmegaConf.create(config), method, path)
     except Exception as err:
         Path(path).write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
         raise
+
+
+def die_with_parent(parent: int) -> None:
+    """On Linux, end this process (SIGTERM) when the process `parent` that started it ends, however it ends.
+
+    A benchmark stopped by a signal ends its own process only, and with it the lock that keeps timed runs apart
+    (`flock`): the run it had started went on fitting beside whatever took the lock next, and spoilt both timings.
+    Elsewhere nothing changes (stop such a benchmark by its process group).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent ended before the request was made: nobody would send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def measure(cfg: DictConfig, method: Method, path: str) -> None:

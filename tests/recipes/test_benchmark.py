@@ -6,8 +6,10 @@ import csv
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +228,63 @@ def test_time_to_accuracy_is_the_first_validation_that_reaches_the_target() -> N
     curve = [{"seconds": 1.0, "value": 0.2}, {"seconds": 2.0, "value": 0.9}, {"seconds": 3.0, "value": 0.95}]
     assert time_to_accuracy(curve, 0.9) == 2.0
     assert math.isnan(time_to_accuracy(curve, 0.96))
+
+
+STAND_IN = """
+import multiprocessing, os, pathlib, sys, time
+from elastic_zoo.benchmark.measure import die_with_parent
+
+def run(parent, asks, ready):
+    if asks:
+        die_with_parent(parent)
+    pathlib.Path(ready).touch()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    ready = [f"{sys.argv[1]}/ready_{asks}" for asks in (True, False)]
+    runs = [spawn.Process(target=run, args=(os.getpid(), asks, r)) for asks, r in zip((True, False), ready)]
+    for process in runs:
+        process.start()
+    while not all(os.path.exists(r) for r in ready):  # both runs have asked (or not)
+        time.sleep(0.1)
+    print(*(process.pid for process in runs), flush=True)
+    time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_run_ends_with_the_benchmark_process_that_started_it(tmp_path: Path) -> None:
+    # A stand-in for the benchmark: two spawned runs, only the first asks to end with it; the benchmark is killed.
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    benchmark = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
+    assert benchmark.stdout is not None
+    asked, other = (int(pid) for pid in benchmark.stdout.readline().split())
+    assert _alive(asked) and _alive(other)
+    benchmark.kill()
+    benchmark.wait()
+    try:
+        for _ in range(300):
+            if not _alive(asked):
+                break
+            time.sleep(0.1)
+        assert not _alive(asked)  # ended with its benchmark ...
+        assert _alive(other)  # ... where a run that did not ask goes on
+    finally:
+        for pid in (asked, other):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _git(folder: Path, *args: str) -> None:
