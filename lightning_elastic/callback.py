@@ -180,7 +180,7 @@ class ElasticTensorSelection(Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
-            check_supported(trainer, pl_module)
+            check_supported(trainer, pl_module, ElasticTensorSelection)
 
     # ------------------------------------------------------------------ 1. profile and 2. plan, as training starts
 

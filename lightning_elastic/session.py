@@ -88,6 +88,7 @@ class FitSession:
     compiled: bool = False  # torch.compile runs the module: a new trainable set recompiles
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
     warmup: FirstWindow = field(default_factory=FirstWindow)  # the process's warm-up, as the first window saw it
+    outside: dict[str, nn.Parameter] = field(default_factory=dict)  # frozen as the fit started, not in the profile
 
     @classmethod
     def start(
@@ -106,6 +107,8 @@ class FitSession:
         back): like the tensors the user froze, they do not require grad, so no selection trains them.
         """
         params = profiled_parameters(pl_module, prof)
+        profiled = set(prof.names)
+        outside = {n: p for n, p in pl_module.named_parameters() if n not in profiled and not p.requires_grad}
         required, forbidden = pins(prof.names, params, train_always, ())
         check_dense(pl_module, prof.names, forbidden)
         device = pl_module.device
@@ -124,6 +127,7 @@ class FitSession:
             latest=[0.0] * len(params),
             compiled=is_compiled(pl_module),
             warmup=FirstWindow(warm_step=prof.t_step),
+            outside=outside,
         )
 
     def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
@@ -230,9 +234,13 @@ class FitSession:
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.
 
+        The tensors outside the profile were frozen as the fit started (by the user, `train_never`, or another
+        callback such as `BackboneFinetuning`, which freezes its backbone before training) and must stay frozen.
+
         Raises:
             ElasticConfigError: naming the tensors whose `requires_grad` differs from what the callback set.
         """
+        refuse_changed(list(self.outside.values()), [False] * len(self.outside), list(self.outside))
         if self.mask is None and self.probe_end is None:
             return  # before the first window opens nothing has been set yet
         probing = self.probe_end is not None or self.pending_selection

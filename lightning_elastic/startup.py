@@ -14,7 +14,7 @@ from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -26,8 +26,15 @@ from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
 
 
-def check_supported(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-    """Refuse, as the fit is set up, a module the method cannot run with; prepare the strategy for it."""
+def check_supported(trainer: L.Trainer, pl_module: L.LightningModule, kind: type[Callback]) -> None:
+    """Refuse, as the fit is set up, a module the method cannot run with, or a second callback of `kind` (the
+    `ElasticTensorSelection` class) in the Trainer; prepare the strategy for the method."""
+    instances = sum(isinstance(c, kind) for c in trainer.callbacks)  # type: ignore[attr-defined]
+    if instances > 1:
+        raise ElasticConfigError(
+            "`ElasticTensorSelection` must be the only instance in a Trainer (each sets `requires_grad` for the whole "
+            f"module and keeps its own wall-clock contract): compare speedups in separate fits. Found: {instances}"
+        )
     lazy = [n for n, p in pl_module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise ElasticConfigError(

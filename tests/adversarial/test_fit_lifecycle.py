@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_elastic import ElasticTensorSelection, reporting
+from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling.runner import Runner
 from tests.integration.test_callback import Recorder, elastic, fit
@@ -161,10 +162,14 @@ def test_a_second_fit_starts_clean() -> None:
     assert any(callback.history[0].decision.importance)  # measured in this fit's window, not zero
 
 
-def test_two_instances_in_one_trainer() -> None:
+def test_two_instances_in_one_trainer_are_refused_at_setup() -> None:
     first = ElasticTensorSelection(speedup=1.6, probe_steps=2, profile=PROFILE, calibrate=False)
     second = ElasticTensorSelection(speedup=1.4, probe_steps=2, profile=PROFILE, calibrate=False)
-    assert first.state_key != second.state_key
+    assert first.state_key != second.state_key  # a checkpoint keeps each one's state apart all the same
+    model, trainer = TinyNet(), tiny_trainer(callbacks=[first, second], max_epochs=1)
+    with pytest.raises(ElasticConfigError, match=r"must be the only instance in a Trainer .*separate fits\. Found: 2$"):
+        trainer.fit(model, tiny_data())
+    assert trainer.global_step == 0 and all(p.requires_grad for p in model.parameters())
 
 
 def test_a_callback_off_in_a_fast_dev_run_selects_in_the_next_fit() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +69,32 @@ def test_resume_from_an_end_of_epoch_checkpoint_selects_what_the_uninterrupted_f
     assert all(resumed.by_step[s] == plain.by_step[s] for s in resumed.by_step)
 
 
-def test_another_callback_that_unfreezes_tensors_is_refused() -> None:
-    class Backbone(TinyNet):
-        @property
-        def backbone(self) -> nn.Module:
-            return self.net[:4]
+class Backbone(TinyNet):
+    @property
+    def backbone(self) -> nn.Module:
+        return self.net[:4]
 
+
+def test_another_callback_that_unfreezes_tensors_is_refused() -> None:
     with pytest.raises(ElasticConfigError, match=r"must be the only one to set `requires_grad`.*Found changed"):
         tiny_trainer(callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), elastic()], max_epochs=3).fit(
             Backbone(), tiny_data()
         )
+
+
+@pytest.mark.usefixtures("ticking_profiler")
+def test_tensors_frozen_before_the_fit_and_unfrozen_by_another_callback_are_refused() -> None:
+    # BackboneFinetuning freezes the backbone before training starts, so a real profile covers the head only; when
+    # it unfreezes the backbone at epoch 1, those tensors would train outside the budget.
+    model, masks = Backbone(), Masks()
+    frozen = ["net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"]  # its BatchNorm stays trainable (`train_bn`)
+    found = re.escape(f"Found changed outside the callback: {frozen}")
+    with pytest.raises(ElasticConfigError, match=r"must be the only one to set `requires_grad`.*" + found):
+        callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1), elastic(profile=None), masks]
+        tiny_trainer(callbacks=callbacks, max_epochs=3).fit(model, tiny_data())
+    assert max(masks.by_step) == 7  # refused as epoch 1 starts (8 steps an epoch), before a step trains the backbone
+    # every flag given back as it was when training started: the backbone as BackboneFinetuning had frozen it
+    assert [name for name, p in model.named_parameters() if not p.requires_grad] == frozen
 
 
 def test_lazy_modules_are_refused_before_training() -> None:
