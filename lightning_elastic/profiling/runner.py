@@ -4,6 +4,7 @@ profile are `passes.Runner`'s."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -130,7 +131,15 @@ def profile(
             profile_seconds=runner.clock.now() - start,
         )
         if path is not None:
-            store(path, prof)
+            try:
+                store(path, prof)
+            except OSError as err:  # the profile is measured and good: a cache that cannot keep it ends no fit
+                warnings.warn(
+                    f"Timing profile cache {path} could not be written ({err}); this fit goes on with the profile it "
+                    "measured, and the next process profiles again: set `cache_dir` to a folder that can be written, "
+                    "or False.",
+                    stacklevel=2,
+                )
         return prof
 
 

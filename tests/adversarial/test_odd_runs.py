@@ -121,11 +121,27 @@ def test_a_bad_cache_dir_is_refused_by_the_constructor(value: object, message: s
         ElasticTensorSelection(cache_dir=value)  # type: ignore[arg-type]
 
 
+@pytest.mark.usefixtures("ticking_profiler")
+def test_a_cache_that_cannot_be_written_warns_and_the_fit_goes_on_with_its_profile(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cache = tmp_path / "file" / "profiles"  # under a file: creating it fails (as root, unlike a read-only folder)
+    callback = elastic(profile=None, cache_dir=cache)
+    trainer = tiny_trainer(callbacks=[callback], max_epochs=2)
+    with pytest.warns(UserWarning, match=rf"Timing profile cache {re.escape(str(cache))}/timing-\w+\.json could not be written \(\[Errno 20\] Not a directory"):
+        trainer.fit(TinyNet(), tiny_data())
+    assert trainer.global_step == 16 and [r.epoch for r in callback.history] == [0, 1]
+    assert callback.timing_profile is not None and callback.timing_profile.names == PROFILE.names
+
+
 def test_a_cache_dir_that_is_a_file_is_refused_before_profiling(tmp_path: Path) -> None:
     file = tmp_path / "not_a_dir"
     file.write_text("x")
+    model, trainer = TinyNet(), tiny_trainer(callbacks=[elastic(profile=None, cache_dir=file)], max_epochs=1)
+    weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ElasticConfigError, match=r"`cache_dir` must be a directory .*Found: a file"):
-        tiny_trainer(callbacks=[elastic(profile=None, cache_dir=file)], max_epochs=1).fit(TinyNet(), tiny_data())
+        trainer.fit(model, tiny_data())
+    assert trainer.global_step == 0  # before the first update (the profile runs inside the first step, if at all)
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))
 
 
 def test_a_gradient_accumulation_schedule_keeps_selecting_every_epoch() -> None:
