@@ -165,7 +165,8 @@ class ElasticTensorSelection(Callback):
         if fit is None or profile is None:
             return fit_summary((), None, {}, (), (), self._speedup)
         names, numel = profile.names, profile.numel
-        return fit_summary(fit.history, fit.plan, fit.totals, names, numel, self._speedup, self._probe_steps)
+        speedup, probe_steps, contract = self._speedup, self._probe_steps, self._calibrate
+        return fit_summary(fit.history, fit.plan, fit.totals, names, numel, speedup, probe_steps, contract)
 
     def selection_map(self) -> np.ndarray | None:
         """The selection map of the current (or last) fit as an RGB image (H, W, 3); None before any selection."""

@@ -51,7 +51,10 @@ class FitSummary:
         compiled_graphs: graphs torch.compile compiled during the fit.
         nonfinite_steps: tensor steps whose importance was NaN or inf, left out.
         most_trained: the tensors most often trained, with how many selections trained them.
-        shortfall: why the asked speedup was not met and what to change; empty when it was (or is not known).
+        shortfall: why the asked speedup was not met and what to change; empty when it was (or is not known, or the
+            fit kept no contract).
+        contract: whether the fit kept the wall-clock contract (`calibrate=True`); without it the asked speedup set
+            each selected step's share of the profile's full step, and nothing made up for the rest of the fit.
     """
 
     target_speedup: float
@@ -78,17 +81,23 @@ class FitSummary:
     nonfinite_steps: int
     most_trained: tuple[tuple[str, int], ...]
     shortfall: str
+    contract: bool = True
 
     def figures(self) -> dict[str, float]:
         """The figures as one flat dict of numbers (what `ElasticTensorSelection.summary()` returns)."""
-        return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float))}
+        return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
         return asdict(self)
 
     def headline(self) -> str:
-        """The fit's speedup against the one asked, e.g. "1.93x (asked 2x, met)"."""
+        """The fit's speedup against the one asked, e.g. "1.93x (asked 2x, met)"; no verdict without a contract."""
+        if not self.contract:
+            return (
+                f"{self.fit_speedup:.2f}x (asked {self.target_speedup:g}x per selected step: `calibrate=False` keeps "
+                "no whole-fit contract)"
+            )
         verdict = "met" if not self.shortfall else "NOT met"
         return f"{self.fit_speedup:.2f}x (asked {self.target_speedup:g}x, {verdict})"
 
@@ -140,9 +149,10 @@ def fit_summary(
     numel: Sequence[int],
     target_speedup: float,
     probe_steps: int | Literal["auto"] = "auto",
+    contract: bool = True,
 ) -> FitSummary:
     """The `FitSummary` of a fit from its selection records, its plan and the callback's own seconds; `probe_steps` as
-    the user set it (what `shortfall` may advise)."""
+    the user set it (what `shortfall` may advise); `contract` False for a fit that kept none (`calibrate=False`)."""
     last = history[-1] if history else None
     selected = [s for r in history for s in r.measured_seconds]
     full = plan.full_step if plan is not None else math.nan
@@ -175,8 +185,9 @@ def fit_summary(
         nonfinite_steps=int(totals.get("nonfinite_steps", 0)),
         most_trained=tuple((names[k], int(counts[k])) for k in top),
         shortfall="",
+        contract=contract,
     )
-    return replace(summary, shortfall=shortfall(summary, history, probe_steps))
+    return replace(summary, shortfall=shortfall(summary, history, probe_steps) if contract else "")
 
 
 def shortfall(

@@ -336,3 +336,12 @@ def test_progress_bar_shows_the_phase_and_the_trained_share() -> None:
         probing = all(trainable)  # the tiny model's selections never train every tensor
         assert bar["elastic/probing"] == float(probing)
         assert bar["elastic/trained"] == pytest.approx(sum(trainable) / len(trainable))
+
+
+def test_the_summary_of_a_fit_without_the_contract_judges_no_contract(caplog: pytest.LogCaptureFixture) -> None:
+    uncalibrated = elastic()
+    with caplog.at_level("INFO"):
+        fit([uncalibrated], max_epochs=2)
+    assert uncalibrated.report().headline().endswith("x per selected step: `calibrate=False` keeps no whole-fit contract)")
+    assert uncalibrated.report().shortfall == "" and "why not met" not in caplog.text
+    assert "keeps no whole-fit contract" in caplog.text  # the table the fit ends with

@@ -93,6 +93,19 @@ def test_fewer_probe_steps_are_advised_only_when_the_user_set_them(given: dict[s
     assert ("`probe_steps`, or" in s.shortfall) == (given.get("probe_steps", "auto") != "auto")
 
 
+def test_a_fit_without_the_contract_gets_no_verdict_on_it() -> None:
+    """`calibrate=False` plans each selected step at `1 / speedup` of the profile's step and keeps no account: the
+    same 1.25x fit is "NOT met" with the contract and, without it, said to be asked per selected step."""
+    plan = WallClockPlan(speedup=2.0, total_steps=10, full_step=1.0, spent=8.0, steps_done=10, full_samples=2)
+    history, totals = [record([False, True, True], (0.5,))], {"probe_seconds": 2.0, "probe_steps": 2}
+    kept = fit_summary(history, plan, totals, NAMES, NUMEL, 2.0)
+    assert kept.headline() == "1.25x (asked 2x, NOT met)" and kept.shortfall
+    free = fit_summary(history, plan, totals, NAMES, NUMEL, 2.0, contract=False)
+    assert free.headline() == "1.25x (asked 2x per selected step: `calibrate=False` keeps no whole-fit contract)"
+    assert free.shortfall == "" and "why not met" not in free.table() and "contract" not in free.figures()
+    assert free.fit_speedup == kept.fit_speedup and free.measured_speedup == kept.measured_speedup == 2.0
+
+
 def test_no_fit_gives_not_a_number_and_no_verdict() -> None:
     s = fit_summary((), None, {}, (), (), target_speedup=2.0)
     assert s.selections == 0 and math.isnan(s.fit_speedup) and s.shortfall == "" and s.most_trained == ()
