@@ -120,7 +120,8 @@ def decide(
 
     When nothing fits (the target is at or below the cheapest step that trains the `required` tensors, or any
     tensor), the decision is that cheapest step and says so with `starved`: required tensors alone, else the
-    tensor nearest the output that may train.
+    single tensor whose step is cheapest. When tensors fit but none is worth training (importance at most 0), the
+    most important single tensor whose step fits trains.
 
     Example:
         >>> model = StepTimeModel(t_dw=(2.0, 1.0, 1.0), t_dy=(4.0, 2.0, 1.0), t_fixed=3.0)
@@ -143,9 +144,12 @@ def decide(
         forbidden=banned,
     )
     mask = Mask.of(solved.mask)
-    if not any(mask):
-        last = max(k for k in range(len(banned)) if not banned[k])
-        mask = Mask.of([k == last for k in range(len(banned))])
+    if not any(mask):  # one tensor must train: the most important single one whose step fits, else the cheapest
+        n = len(banned)
+        singles = {k: model.predict([j == k for j in range(n)]) for k in range(n) if not banned[k]}
+        fitting = [k for k, seconds in singles.items() if seconds <= target_seconds]
+        one = max(fitting, key=lambda k: importance[k]) if fitting else min(singles, key=singles.__getitem__)
+        mask = Mask.of([k == one for k in range(n)])
     predicted = model.predict(mask)
     return Decision(
         mask=mask,

@@ -9,8 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from lightning_elastic.selector import Selection, select
-from lightning_elastic.time_model import backward_cost
+from lightning_elastic.selector import Selection, decide, select
+from lightning_elastic.time_model import StepTimeModel, backward_cost
 
 
 def all_masks(n: int) -> np.ndarray:
@@ -292,3 +292,40 @@ def test_invalid_arguments(kwargs: dict, message: str) -> None:
     args: dict = {"t_dw": [1.0, 1.0], "t_dy": [1.0, 5.0], "importance": [1.0, 1.0], "budget": 5.0} | kwargs
     with pytest.raises(ValueError, match=message):
         select(**args)
+
+
+def test_when_the_dynamic_program_selects_nothing_the_fallback_is_the_best_single_tensor_by_brute_force() -> None:
+    """Nothing selected (nothing fits, or only tensors of negative importance do): one tensor must train. The most
+    important single tensor whose step fits the target, else the cheapest single step. Before: the tensor nearest
+    the output, whatever it cost (2.5 s where 1.5 s fitted, and the warning then called 2.5 s the cheapest)."""
+    model = StepTimeModel(t_dw=(0.5, 1.5), t_dy=(0.0, 0.0), t_fixed=1.0)
+    free = [False, False]
+    fits = decide(model, [-1.0, 0.5], 1.9, required=free, forbidden=free)
+    assert (fits.mask.flags, fits.predicted_seconds, fits.starved) == ((True, False), 1.5, False)
+    starved = decide(model, [1.0, 2.0], 1.2, required=free, forbidden=free)
+    assert (starved.mask.flags, starved.predicted_seconds, starved.starved) == ((True, False), 1.5, True)
+    rng = np.random.default_rng(5)
+    fallbacks = 0
+    for _ in range(300):
+        n = int(rng.integers(2, 7))
+        model = StepTimeModel(t_dw=tuple(rng.uniform(0, 2, n)), t_dy=tuple(rng.uniform(0, 2, n)), t_fixed=1.0)
+        importance = list(rng.uniform(-1, 0.3, n))
+        forbidden = [bool(f) for f in rng.random(n) < 0.3]
+        if all(forbidden):
+            continue
+        target = float(rng.uniform(1.0, model.full))
+        decision = decide(model, importance, target, required=[False] * n, forbidden=forbidden)
+        singles = {k: model.predict([j == k for j in range(n)]) for k in range(n) if not forbidden[k]}
+        best_set = max(
+            (sum(importance[k] for k in range(n) if m[k]), m)
+            for m in itertools.product([False, True], repeat=n)
+            if any(m) and not any(m[k] and forbidden[k] for k in range(n)) and model.predict(m) <= target
+        ) if any(t <= target for t in singles.values()) else None
+        if best_set is not None and best_set[0] > 0:
+            continue  # the dynamic program's own answer (tested above against brute force)
+        fallbacks += 1
+        fitting = [k for k, t in singles.items() if t <= target]
+        expected = max(fitting, key=lambda k: importance[k]) if fitting else min(singles, key=lambda k: singles[k])
+        assert decision.mask.flags == tuple(k == expected for k in range(n))
+        assert decision.starved == (not fitting)
+    assert fallbacks > 100
