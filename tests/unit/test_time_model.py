@@ -139,10 +139,15 @@ def test_decide_is_the_best_selection_within_the_target_by_brute_force() -> None
         fitting = [m for m in masks if any(m) and model.predict(m) <= target]
         context = f"trial {trial}: {model}, {importance}, {forbidden}, {target}"
         if not fitting or max(sum(v for v, f in zip(importance, m, strict=True) if f) for m in fitting) <= 0:
-            # nothing worth training fits: the cheapest-to-reach tensor, said to be starved when nothing fits
-            last = max(k for k in range(n) if not forbidden[k])
-            assert decision.mask.flags == tuple(k == last for k in range(n)), context
-            assert decision.starved == (model.predict(decision.mask) > target), context
+            # nothing worth training fits: one tensor, the most important whose step fits, else the cheapest step
+            [one] = [k for k in range(n) if decision.mask[k]]
+            singles = {k: model.predict([j == k for j in range(n)]) for k in range(n) if not forbidden[k]}
+            fits = [k for k, seconds in singles.items() if seconds <= target]
+            if fits:
+                assert one in fits and importance[one] == max(importance[k] for k in fits), context
+            else:
+                assert singles[one] == min(singles.values()), context
+            assert decision.starved == (not fits) == (model.predict(decision.mask) > target), context
             continue
         best = max(sum(v for v, f in zip(importance, m, strict=True) if f) for m in fitting)
         value = sum(v for v, f in zip(importance, decision.mask, strict=True) if f)
