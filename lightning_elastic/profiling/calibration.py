@@ -56,7 +56,7 @@ def suffix_times(
     """
     masks = []
     for d in knots:
-        mask = [False] * n
+        mask = [d == 0] * n  # the full step trains every tensor, also one the walked graph did not show (`hidden`)
         for c in order[d:]:
             mask[c] = True
         masks.append(mask)

@@ -76,6 +76,14 @@ class Runner:
         self.clock = clock
         self.leaves = InputLeaves(model)
         self.progress: Progress = lambda k, n, what: None
+        self.received: set[int] = set()  # ids of the candidates whose gradient a pass computed (`runner.profile`)
+
+    def hidden(self, order: Sequence[int]) -> list[str]:
+        """The candidates that some pass computed a gradient for but that are not in `order`, the tensors found in
+        the graph walked from the loss before backward: backward made their nodes as it ran (reentrant checkpoints
+        recompute their segment there), so nothing could time them."""
+        found = set(order)
+        return [name for c, (name, p) in enumerate(self.candidates) if c not in found and id(p) in self.received]
 
     # -- passes ------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from typing import Any, get_args
 import torch
 from torch import Tensor, nn
 
+from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.passes import PHASES, Progress, Runner
 from lightning_elastic.profiling.profile import (
     TimingMethod,
@@ -115,6 +116,14 @@ def profile(
             if cached is not None:
                 return cached
         result = runner.run(method, warmup, repeats)
+        if hidden := runner.hidden(result.order):
+            raise ElasticConfigError(
+                "Every tensor that gets a gradient must be a node of the autograd graph before backward runs, so "
+                "that its cost can be timed and its training kept within the budget; tensors under reentrant "
+                "gradient checkpointing (`torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`, what some "
+                "`gradient_checkpointing_enable()` pass) enter it only while backward recomputes them: use "
+                f"`use_reentrant=False`, or keep them out with `train_never`. Found only during backward: {hidden[:5]}"
+            )
         candidates = runner.candidates
         prof = TimingProfile(
             names=tuple(candidates[c][0] for c in result.order),
@@ -167,17 +176,19 @@ def _kept_as_found(
     device = candidates[0][1].device
     cuda_devices = sorted({p.device.index or 0 for _, p in candidates if p.device.type == "cuda"})
     state = ModelState(model)
+    runner = Runner(model, compute_loss, candidates, DeviceClock(device, clock))
+
+    def drop_grad(param: Tensor) -> None:
+        runner.received.add(id(param))
+        param.grad = None
+
     # The passes need their gradients computed, not kept: each is dropped as soon as it is accumulated, so that a
     # pass never holds a second set of gradients on top of the caller's (the first step's, held by `state`).
-    drops = [p.register_post_accumulate_grad_hook(_drop_grad) for _, p in candidates]
+    drops = [p.register_post_accumulate_grad_hook(drop_grad) for _, p in candidates]
     try:
         with torch.random.fork_rng(devices=cuda_devices), python_rng_kept():
-            yield Runner(model, compute_loss, candidates, DeviceClock(device, clock))
+            yield runner
     finally:
         for handle in drops:
             handle.remove()
         state.restore()
-
-
-def _drop_grad(param: Tensor) -> None:
-    param.grad = None

@@ -55,10 +55,12 @@ def fake_plain(seconds: list[float]) -> tuple[list[list[bool]], Callable[[list[b
 
 def test_suffix_times_times_each_suffix_of_the_forward_order() -> None:
     timed, plain = fake_plain([1.0] * 10)
-    # tensor 3 is unused (not in the order); the forward order is 2, 0, 1
+    # tensor 3 is not in the order (unused, or hidden from the walked graph); the forward order is 2, 0, 1. The full
+    # step (knot 0) trains every tensor, tensor 3 too: a hidden one then gets its gradient (`Runner.hidden`), and an
+    # unused one costs a real step nothing (the fake charges 1 s a flag).
     t_fw, times = suffix_times(plain, 4, [2, 0, 1], [0, 2], repeats=1)
-    assert (t_fw, times) == (1.0, [4.0, 2.0])
-    assert timed == [[False] * 4, [True, True, True, False], [False, True, False, False], [False] * 4]
+    assert (t_fw, times) == (1.0, [5.0, 2.0])
+    assert timed == [[False] * 4, [True, True, True, True], [False, True, False, False], [False] * 4]
 
 
 def test_suffix_times_adds_rounds_while_the_machine_is_disturbed_then_warns() -> None:
