@@ -240,7 +240,8 @@ class FitSession:
         Raises:
             ElasticConfigError: naming the tensors whose `requires_grad` differs from what the callback set.
         """
-        refuse_changed(list(self.outside.values()), [False] * len(self.outside), list(self.outside))
+        if any(p.requires_grad for p in self.outside.values()):  # every step: lists only when one changed
+            refuse_changed(list(self.outside.values()), [False] * len(self.outside), list(self.outside))
         if self.mask is None and self.probe_end is None:
             return  # before the first window opens nothing has been set yet
         probing = self.probe_end is not None or self.pending_selection
