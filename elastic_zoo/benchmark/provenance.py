@@ -64,11 +64,12 @@ class CodeProvenance:
 def code_provenance(library: Path | None = None) -> CodeProvenance:
     """The `CodeProvenance` of a `lightning_elastic` folder; by default, the one this process imported."""
     library = (library or Path(lightning_elastic.__file__).parent).resolve()
-    tracked = _git(library.parent, "ls-files", "--", "lightning_elastic/__init__.py")  # not an ignored copy
-    commit = _git(library, "rev-parse", "HEAD") if tracked else ""
+    checkout = library.parent  # the folder holding the package, where git is asked
+    tracked = _git(checkout, "ls-files", "--", "lightning_elastic/__init__.py")  # not an ignored copy
+    commit = _git(checkout, "rev-parse", "HEAD") if tracked else ""
     if not commit:
         return CodeProvenance(library, "", dirty=False)
-    changes = _git(library.parent, "status", "--porcelain", "--untracked-files=no", "--", *MEASURED)
+    changes = _git(checkout, "status", "--porcelain", "--untracked-files=no", "--", *MEASURED)
     return CodeProvenance(library, commit, dirty=bool(changes))
 
 
