@@ -160,8 +160,10 @@ def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Itera
     In eval mode a frozen BatchNorm normalises with its running statistics and stops updating them, so the
     frozen part of the network is a fixed function (and its forward pass is a little cheaper). Under "update"
     (PyTorch's default), BatchNorm layers follow the model's train/eval mode whatever their tensors do.
-    Returns the names of the layers put in eval mode. Layers named in `previously_frozen` that no longer qualify
-    go back to the model's mode; no other layer's mode is touched.
+    Returns the names of the layers it holds in eval mode: those it switches now (from train mode) and those of
+    `previously_frozen` that still qualify. Layers of `previously_frozen` that no longer qualify go back to train
+    mode, the mode they had when it switched them; no other layer's mode is touched, so a layer the user left in
+    eval mode stays there.
 
     Example:
         >>> bn = nn.BatchNorm1d(3)
@@ -177,12 +179,12 @@ def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Itera
         if not isinstance(module, nn.modules.batchnorm._BatchNorm):
             continue
         own = list(module.parameters(recurse=False))
-        freeze = policy == "freeze" and bool(own) and not any(p.requires_grad for p in own)
-        if freeze:
+        qualifies = policy == "freeze" and bool(own) and not any(p.requires_grad for p in own)
+        if qualifies and (module.training or name in previously):
             module.eval()
             frozen.append(name)
         elif name in previously:
-            module.train(model.training)
+            module.train()
     return frozen
 
 

@@ -316,3 +316,27 @@ def test_a_checkpoint_of_a_fit_over_other_tensors_resumes_its_account_only(tmp_p
     assert fit_ is not None and len(fit_.params) == 10 and fit_.plan.spent > spent >= 0
     assert all(recorder.trainable[0])  # no selection of the old fit: every tensor trains until the next one
     assert [r.step for r in resumed.history] == [16] and len(resumed.history[0].mask) == 10
+
+
+def test_a_batchnorm_layer_the_user_left_in_eval_mode_stays_there() -> None:
+    """Under `bn_policy="freeze"` a BatchNorm layer in eval mode by the user's choice, inside a model in train mode,
+    keeps that mode at every step (selections freeze its tensors, probe windows train them) and after the fit."""
+    module = TinyNet()
+    module.net[1].eval()
+    callback = ElasticTensorSelection(
+        speedup=1.6, interval=4, interval_unit="step", probe_steps=2, profile=PROFILE, calibrate=False,
+        bn_policy="freeze",
+    )
+    names = [n for n, _ in module.named_parameters()]
+    bn = [k for k, n in enumerate(names) if n.startswith("net.1.")]
+    seen: list[tuple[bool, bool]] = []  # (its tensors train, its mode) at each step
+
+    class Watch(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            flags = [p.requires_grad for p in pl_module.parameters()]
+            seen.append((any(flags[k] for k in bn), module.net[1].training))
+
+    tiny_trainer(callbacks=[callback, Watch()], max_steps=14).fit(module, tiny_data())
+    assert {trains for trains, _ in seen} == {False, True}  # frozen by a selection, trained by a window after it
+    assert all(not mode for _, mode in seen)
+    assert not module.net[1].training and all(m.training for n, m in module.named_modules() if n != "net.1")

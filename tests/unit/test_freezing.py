@@ -168,3 +168,20 @@ def test_compiled_codes_let_an_error_of_another_kind_through(monkeypatch: pytest
     with pytest.raises(ValueError, match="a bad code"):
         codes.reset()
     assert codes.failed is None and resets == []
+
+
+def test_bn_policy_freeze_leaves_a_layer_the_user_put_in_eval_mode_as_it_was() -> None:
+    """Only layers it put in eval mode go back to train mode: one the user left in eval stays there throughout."""
+    model = nn.Sequential(nn.BatchNorm1d(2), nn.BatchNorm1d(2)).train()
+    model[0].eval()  # the user's choice, inside a model in train mode
+    model.requires_grad_(False)
+    frozen = apply_bn_policy(model, "freeze")
+    assert frozen == ["1"] and not model[0].training and not model[1].training
+    assert apply_bn_policy(model, "freeze", frozen) == ["1"]  # still ours while its tensors stay frozen
+    model.requires_grad_(True)
+    assert apply_bn_policy(model, "freeze", frozen) == []
+    assert not model[0].training and model[1].training
+    model.requires_grad_(False)
+    model[1].eval()  # e.g. a layer ours since a checkpoint, in eval mode as the resumed fit starts
+    assert apply_bn_policy(model, "freeze", ["1"]) == ["1"]
+    assert apply_bn_policy(model, "update", ["1"]) == [] and model[1].training and not model[0].training
