@@ -22,11 +22,15 @@ curves and selections included), `accuracy_vs_time.png` (best accuracy so far ag
 `runs/<method>_seed_<seed>_selection_map.png`); and logs every run, plus the table and plots, to TensorBoard
 (`tensorboard --logdir <run folder>/tensorboard`). The methods, the measurement, the tables and the plots live in
 `elastic_zoo.benchmark`; this file is the command line.
+
+Stopped by SIGTERM or Ctrl-C, it ends the run under way and writes the same files from the runs that finished, the
+report saying so, then exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,7 +40,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from elastic_zoo.benchmark.measure import run_isolated
-from elastic_zoo.benchmark.methods import benchmark_problems, methods_of, run_config
+from elastic_zoo.benchmark.methods import Method, benchmark_problems, methods_of, run_config
 from elastic_zoo.benchmark.paired import paired_report
 from elastic_zoo.benchmark.plots import log_tensorboard, plot_accuracy, plot_selections
 from elastic_zoo.benchmark.provenance import code_provenance
@@ -53,10 +57,26 @@ def main(cfg: DictConfig) -> None:
     except RunFailed as err:
         print(err, file=sys.stderr)
         raise SystemExit(1) from None
+    except Stopped as err:
+        print(f"[benchmark] stopped by {err.signal.name}; results.md holds the runs that finished", file=sys.stderr)
+        raise SystemExit(128 + err.signal) from None
 
 
 class RunFailed(RuntimeError):
     """Some runs ended with an error (each one's process printed its traceback; results.md lists them)."""
+
+
+class Stopped(BaseException):
+    """The benchmark was stopped by `signal` (SIGTERM, or SIGINT: Ctrl-C). Like `KeyboardInterrupt`, not an
+    `Exception`: code that catches and wraps those (omegaconf's resolvers) lets it through."""
+
+    def __init__(self, stopped_by: signal.Signals) -> None:
+        super().__init__(stopped_by.name)
+        self.signal = stopped_by
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum))
 
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -79,11 +99,50 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     output_dir = Path(cfg.paths.output_dir)
     metric = cfg.benchmark.metric
     (output_dir / "runs").mkdir(parents=True, exist_ok=True)
-    runs = []
+    runs: list[dict[str, Any]] = []
     started = time.perf_counter()
+    stopped: Stopped | None = None
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        run_all(cfg, methods, runs, started)
+    except KeyboardInterrupt:
+        stopped = Stopped(signal.SIGINT)
+    except Stopped as err:
+        stopped = err
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (output_dir / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+    done = [r for r in runs if "error" not in r]
+    failed = [r for r in runs if "error" in r]
+    fraction = float(cfg.benchmark.accuracy_fraction)
+    total = len(methods) * len(cfg.benchmark.seeds)
+    report = f"# Benchmark\n\nEvery run failed: nothing to compare.\n{failures(failed)}"
+    if not runs:
+        report = f"# Benchmark\n\nStopped before any of the {total} runs finished: nothing to compare.\n"
+    if done:
+        rows = table_rows(done, fraction, metric)
+        write_csv(rows, output_dir / "results.csv")
+        plot_accuracy(done, fraction, output_dir / "accuracy_vs_time.png", metric)
+        plot_selections(done, output_dir / "selection_maps.png")
+        seconds = time.perf_counter() - started
+        note = None if stopped is None else f"stopped by {stopped.signal.name} after {len(runs)} of {total} runs"
+        report = markdown_report(cfg, rows, seconds, code, note) + paired_report(done, metric) + failures(failed)
+        log_tensorboard(done, report, fraction, output_dir, metric)
+    (output_dir / "results.md").write_text(report)
+    print(report)
+    if stopped is not None:
+        raise stopped
+    if failed:
+        raise RunFailed(f"{len(failed)} of {len(runs)} runs failed; results.md lists them")
+    return runs
+
+
+def run_all(cfg: DictConfig, methods: list[Method], runs: list[dict[str, Any]], started: float) -> None:
+    """Run every method for every seed, each in its own process, adding each result to `runs` as it ends."""
+    metric = cfg.benchmark.metric
     for seed in cfg.benchmark.seeds:
         for method in methods:
-            path = output_dir / "runs" / f"{method.name}_seed_{seed}.json"
+            path = Path(cfg.paths.output_dir) / "runs" / f"{method.name}_seed_{seed}.json"
             result = run_isolated(run_config(cfg, method, int(seed)), method, path)
             runs.append(result)
             outcome = (
@@ -97,24 +156,6 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
                 f"{time.perf_counter() - started:.0f} s since the benchmark started",
                 flush=True,
             )
-    (output_dir / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
-    done = [r for r in runs if "error" not in r]
-    failed = [r for r in runs if "error" in r]
-    fraction = float(cfg.benchmark.accuracy_fraction)
-    report = f"# Benchmark\n\nEvery run failed: nothing to compare.\n{failures(failed)}"
-    if done:
-        rows = table_rows(done, fraction, metric)
-        write_csv(rows, output_dir / "results.csv")
-        plot_accuracy(done, fraction, output_dir / "accuracy_vs_time.png", metric)
-        plot_selections(done, output_dir / "selection_maps.png")
-        seconds = time.perf_counter() - started
-        report = markdown_report(cfg, rows, seconds, code) + paired_report(done, metric) + failures(failed)
-        log_tensorboard(done, report, fraction, output_dir, metric)
-    (output_dir / "results.md").write_text(report)
-    print(report)
-    if failed:
-        raise RunFailed(f"{len(failed)} of {len(runs)} runs failed; results.md lists them")
-    return runs
 
 
 if __name__ == "__main__":

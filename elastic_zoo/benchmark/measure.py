@@ -38,7 +38,12 @@ def run_isolated(config: dict[str, Any], method: Method, path: Path) -> dict[str
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=run_method, args=(config, method, str(path), os.getpid()))
     process.start()
-    process.join()
+    try:
+        process.join()
+    except BaseException:  # the benchmark is stopping: the run under way ends with it, before the report is written
+        process.terminate()
+        process.join()
+        raise
     result: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     if process.exitcode != 0 and "error" not in result:
         result = {"error": f"the process ended with exit code {process.exitcode}"}

@@ -151,8 +151,11 @@ def _by_method(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
     return grouped
 
 
-def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: float, code: CodeProvenance) -> str:
-    """The results as markdown: the code measured, the comparison table, the elastic runs' own figures, the targets."""
+def markdown_report(
+    cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: float, code: CodeProvenance, stopped: str | None = None
+) -> str:
+    """The results as markdown: the code measured, the comparison table, the elastic runs' own figures, the targets;
+    `stopped` says why the benchmark ended before its last run (the tables then hold the runs that finished)."""
     bench = cfg.benchmark
     metric = str(bench.metric)
     grouped = _by_method(rows)
@@ -172,6 +175,7 @@ def markdown_report(cfg: DictConfig, rows: Sequence[dict[str, Any]], seconds: fl
         f"{cfg.elastic.interval_unit}(s), probe steps {cfg.elastic.probe_steps}; device {chosen_option(cfg, 'device')} "
         f"({torch.get_num_threads()} threads)",
         f"- {code.line()}",
+        *([f"- **{stopped}**: the tables hold the runs that finished"] if stopped else []),
         f"- benchmark wall time {seconds / 60:.1f} min; figures are mean ± sample standard deviation over seeds",
         f"- evaluation: {_sizes(rows, 'val_images')} validation images (one image = "
         f"{100 / max(1, min(r['val_images'] for r in rows)):.2f} points), {_sizes(rows, 'test_images')} test images",

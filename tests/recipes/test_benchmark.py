@@ -287,6 +287,32 @@ def test_a_run_ends_with_the_benchmark_process_that_started_it(tmp_path: Path) -
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_stopped_benchmark_ends_its_run_and_reports_the_runs_that_finished(tmp_path: Path) -> None:
+    """SIGTERM once the first run has finished: the run under way ends, and results.md reports the finished ones."""
+    fake_fashion_mnist(tmp_path / "fmnist", train=240, test=48)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable, "recipes/benchmark.py", "benchmark=tiny", "dataset=fashion_mnist",
+        f"dataset.root={tmp_path / 'fmnist'}", "benchmark.baselines=[full,head_only,bitfit]",
+        "benchmark.elastic_speedups=[]", f"hydra.run.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    benchmark = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert benchmark.stdout is not None
+    for line in benchmark.stdout:
+        if line.startswith("[benchmark] full seed 0:"):
+            break
+    benchmark.send_signal(signal.SIGTERM)  # during the second run (head only)
+    out, err = benchmark.communicate(timeout=120)
+    assert benchmark.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM; results.md holds the runs that finished" in err
+    runs = json.loads((tmp_path / "run" / "runs.json").read_text())
+    assert [r["method"] for r in runs] == ["full"]
+    report = (tmp_path / "run" / "results.md").read_text()
+    assert "- **stopped by SIGTERM after 1 of 3 runs**: the tables hold the runs that finished\n" in report
+    assert "| full |" in report and "| head_only |" not in report and report in out
+    assert not (tmp_path / "run" / "runs" / "head_only_seed_0.json").exists()  # its run ended unfinished
+
+
 def _git(folder: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True)
 
