@@ -213,8 +213,11 @@ class FirstStep:
 
     Only for one process running an eager module (`applies`: Lightning's single-device strategy): under DDP, even on
     one device, the wrapper adds its own nodes to the step's graph, and a compiled module's hooks are traced, not
-    run. The callback also needs a fit that starts afresh (a resumed one restores a selection). Otherwise profiling
-    takes its own pass as training starts. `train_never` tensors are frozen before the first step
+    run. And only with an optimizer that keeps state for each tensor (Adam, momentum SGD): the profiling passes run
+    while the step's gradients are held for its update, which costs no memory above a training step only when the
+    update holds at least as much; plain SGD (no momentum) keeps none, so its fits profile before the first step
+    (docs/memory.md). The callback also needs a fit that starts afresh (a resumed one restores a selection).
+    Otherwise profiling takes its own pass as training starts. `train_never` tensors are frozen before the first step
     (`freezing.freeze_never`): it does not train them, and the profile, like any profile, covers the tensors that
     require grad. The key is that of the data set's first batch (`measure_profile`): inputs whose shapes vary from
     batch to batch (padding to the longest sequence) take a pass of their own for it when this step's shapes differ.
@@ -231,7 +234,11 @@ class FirstStep:
 
     @staticmethod
     def applies(trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
-        return isinstance(trainer.strategy, SingleDeviceStrategy) and not is_compiled(pl_module)
+        stateless = any(
+            isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) == 0 for g in optimizer.param_groups)
+            for optimizer in trainer.optimizers
+        )
+        return isinstance(trainer.strategy, SingleDeviceStrategy) and not is_compiled(pl_module) and not stateless
 
     def batch_start(self, pl_module: L.LightningModule, batch: Any) -> None:
         """A step's first micro-batch starts: record it (until one step has recorded a whole signature).

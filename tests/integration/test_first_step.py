@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 
 from lightning_elastic import ElasticTensorSelection, windows
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling import harness
+from lightning_elastic.profiling import harness, runner
 from lightning_elastic.profiling.harness import FirstStep
 from lightning_elastic.profiling.runner import Runner
 from tests.integration.test_callback import Recorder
@@ -367,7 +367,7 @@ class Padded(L.LightningModule):
         return F.cross_entropy(self.head(torch.relu(self.mix(self.embed(tokens))).mean(1)), labels)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)  # momentum: profiled in the first step
 
 
 def padded_data(seed: int) -> DataLoader[Any]:
@@ -503,3 +503,31 @@ def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(
     fit = callback._fit
     assert fit is not None and trainer.global_step == 4 and module.now[0] > 400  # validation ran (5 times)
     assert fit.totals["warmup_seconds"] == 2.0
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_plain_sgd_profiles_before_the_first_step_so_that_no_gradients_are_held_meanwhile(
+    momentum: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Profiling inside the first step holds its gradients for the update; plain SGD keeps no state that outweighs
+    them, so its fit profiles as training starts, with nothing held, and with momentum in the step (docs/memory.md)."""
+
+    class Plain(Counted):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=momentum)
+
+    held: list[int] = []  # bytes of gradients alive as each profiling starts
+    original = runner.ModelState.__init__
+
+    def recorded(self: Any, model: nn.Module) -> None:
+        held.append(sum(p.grad.nbytes for p in model.parameters() if p.grad is not None))
+        original(self, model)
+
+    monkeypatch.setattr(runner.ModelState, "__init__", recorded)
+    module = Plain()
+    tiny_trainer(callbacks=[elastic(False)], max_steps=4).fit(module, tiny_data())
+    assert held
+    if momentum == 0:
+        assert held == [0] * len(held)
+    else:
+        assert held[0] == sum(p.nbytes for p in module.parameters())  # every tensor's gradient, for the update
