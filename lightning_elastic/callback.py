@@ -237,11 +237,12 @@ class ElasticTensorSelection(Callback):
         schedule, total_steps = self._schedule
         assert schedule is not None
         self._profile = prof
-        plan = WallClockPlan(self._speedup, total_steps, full_step=prof.t_full)
-        fit = FitSession.start(pl_module, prof, schedule, plan, self._train_always, self._bn_policy, self._clock)
+        step = prof.scaled(trainer.accumulate_grad_batches)  # an optimizer step runs the pass on every micro-batch
+        plan = WallClockPlan(self._speedup, total_steps, full_step=step.t_full)
+        fit = FitSession.start(pl_module, step, schedule, plan, self._train_always, self._bn_policy, self._clock)
         self._fit = fit
         fit.warmup.cold = not timed
-        limit = fit.reach(prof, profile_seconds, self._calibrate)
+        limit = fit.reach(profile_seconds, self._calibrate)
         if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
         resume.restore(fit, self._restored)
@@ -355,7 +356,7 @@ class ElasticTensorSelection(Callback):
         fit.pending_selection = False
         self._close_interval(trainer, fit)
         importance = fit.importance(trainer)
-        terms = fit.step_terms(trainer, profile, self._calibrate)
+        terms = fit.step_terms(trainer, self._calibrate)
         pins = (fit.required, fit.forbidden)
         decision = decide(
             terms.model, importance, terms.target, required=pins[0], forbidden=pins[1], resolution=self._resolution

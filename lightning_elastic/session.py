@@ -58,6 +58,7 @@ class FitSession:
     """The state of one fit (see the module docstring). Built by `start`."""
 
     schedule: Schedule
+    profile: TimingProfile  # of one optimizer step: the profiled pass once a micro-batch (`start`)
     names: tuple[str, ...]
     params: list[nn.Parameter]
     required: Mask
@@ -101,7 +102,8 @@ class FitSession:
         bn_policy: BnPolicy,
         clock: Callable[[], float],
     ) -> FitSession:
-        """Bind the profile's tensors of `pl_module` and the `train_always` pins, as training starts.
+        """Bind the profile's tensors of `pl_module` and the `train_always` pins, as training starts. `prof` is the
+        profile of one optimizer step: with gradient accumulation, the profiled pass scaled to the step's micro-batches.
 
         The `train_never` tensors are frozen by then (`freezing.freeze_never`, which keeps what the user had, to give
         back): like the tensors the user froze, they do not require grad, so no selection trains them.
@@ -114,6 +116,7 @@ class FitSession:
         device = pl_module.device
         return cls(
             schedule=schedule,
+            profile=prof,
             names=prof.names,
             params=params,
             required=required,
@@ -130,11 +133,11 @@ class FitSession:
             outside=outside,
         )
 
-    def reach(self, prof: TimingProfile, profile_seconds: float, calibrate: bool) -> Reach:
+    def reach(self, profile_seconds: float, calibrate: bool) -> Reach:
         """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`). A first window
         longer than the others (to time `T`, see `windows.auto_probe_plan`) is cut back to their length when it
         alone would put the asked speedup out of this fit's reach."""
-        total = self.plan.total_steps if calibrate else None
+        total, prof = (self.plan.total_steps if calibrate else None), self.profile
         model = StepTimeModel.from_profile(prof)
         self.schedule, limit = reach_shortening(
             self.schedule,
@@ -340,9 +343,10 @@ class FitSession:
         value = torch.tensor([target], dtype=torch.float64, device=self.params[0].device)
         return float(trainer.strategy.reduce(value, reduce_op="mean").item())
 
-    def step_terms(self, trainer: L.Trainer, prof: TimingProfile, calibrate: bool) -> StepTerms:
+    def step_terms(self, trainer: L.Trainer, calibrate: bool) -> StepTerms:
         """The plan's figures and target under `calibrate` (planned even before any steady full step is measured: a
         window of warm-up steps only leaves the profile's `T`); else the profile's step over the speedup."""
+        prof = self.profile
         if calibrate:
             full, optimizer = self.probe_figures(trainer)
             target = self.target(trainer, trainer.global_step)

@@ -137,15 +137,7 @@ class StepTimeModel:
         """
         step = full_step - optimizer_seconds
         if 0.0 < step < profile.t_full:
-            r = step / profile.t_full
-            profile = replace(
-                profile,
-                t_dw=tuple(t * r for t in profile.t_dw),
-                t_dy=tuple(t * r for t in profile.t_dy),
-                t_fw=profile.t_fw * r,
-                t_full=step,
-                t_tail=profile.t_tail * r,
-            )
+            profile = replace(profile.scaled(step / profile.t_full), t_full=step)  # t_full exactly, unrounded
         loop_seconds = max(0.0, step - profile.t_full)
         return cls.from_profile(profile, optimizer_seconds=optimizer_seconds, loop_seconds=loop_seconds)
 

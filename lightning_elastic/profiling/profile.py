@@ -126,6 +126,26 @@ class TimingProfile:
             raise ValueError(f"`mask` must have one entry per profiled tensor ({len(self.names)}). Found: {len(mask)}")
         return StepTimeModel.from_profile(self).predict(mask)
 
+    def scaled(self, factor: float) -> TimingProfile:
+        """The profile with every time of the pass (`t_dw`, `t_dy`, `t_fw`, `t_full`, `t_tail`) times `factor`: the
+        passes of an optimizer step over `factor` micro-batches, or the pass made to predict a measured step.
+        `t_step` (a training step a fit measured) and `profile_seconds` are no times of the pass and stay.
+
+        Example:
+            >>> p = TimingProfile(("a",), (1.0,), (0.5,), 2.0, 3.0, "cpu", "f", (), "measured", (4,), t_step=3.5)
+            >>> q = p.scaled(4)
+            >>> q.t_dw, q.t_dy, q.t_fw, q.t_full, q.t_step
+            ((4.0,), (2.0,), 8.0, 12.0, 3.5)
+        """
+        return replace(
+            self,
+            t_dw=tuple(t * factor for t in self.t_dw),
+            t_dy=tuple(t * factor for t in self.t_dy),
+            t_fw=self.t_fw * factor,
+            t_full=self.t_full * factor,
+            t_tail=self.t_tail * factor,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data; `from_dict` reads it back.
 

@@ -22,6 +22,7 @@ from lightning_elastic import ElasticTensorSelection, planner, reporting, sessio
 from lightning_elastic import callback as callback_module
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.profile import cache_file, read_profile, store
+from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
@@ -461,3 +462,78 @@ def test_validation_between_steps_is_never_charged_to_a_step() -> None:
     assert device.validation_seconds == 6e3 and summary["steps"] == 24  # validation after 3 and 6 of each 8 batches
     assert math.isclose(summary["spent_seconds"], device.now - device.validation_seconds, rel_tol=1e-9)
     assert all(max(r.measured_seconds) < 1e3 for r in callback.history if r.measured_seconds)
+
+
+class AccumulatingDevice(Callback):
+    """A clock that each micro-batch advances by a loading cost of its own as it starts (micro-batch `j` of a step:
+    `loading[j]`) and by the time model's pass of the trainable set in its backward, so that an optimizer step's cost
+    is known exactly: `len(loading)` passes and the loading costs (the clock stands still in the update)."""
+
+    def __init__(self, loading: tuple[float, ...]) -> None:
+        self.now = 0.0
+        self.loading = loading
+        self.model = StepTimeModel.from_profile(PROFILE)
+
+    def clock(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.now += self.loading[idx % len(self.loading)]
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        named = dict(pl_module.named_parameters())  # what this micro-batch's backward ran for
+        self.now += self.model.predict(tuple(named[n].requires_grad for n in PROFILE.names))
+
+    def step_model(self) -> StepTimeModel:
+        """What an optimizer step costs on this device: every micro-batch's pass, and their loading costs."""
+        k = len(self.loading)
+        return StepTimeModel(
+            t_dw=tuple(k * t for t in self.model.t_dw),
+            t_dy=tuple(k * t for t in self.model.t_dy),
+            t_fixed=k * self.model.t_fixed + math.fsum(self.loading),
+        )
+
+
+def test_with_gradient_accumulation_a_step_is_timed_and_planned_over_all_its_micro_batches() -> None:
+    """4 micro-batches an optimizer step, each costing its pass of the trainable set and a loading cost (0 to 0.3 of
+    a full pass). The plan's `T` is exactly the sum over a full step's micro-batches, the time model predicts every
+    selected step exactly as measured (so the correction stays 1), the first selection's target is what the plan
+    leaves for each selected step, and every selection is what the exact selector picks under the device's own step
+    costs for that target. Before (issue #14 item 13), the micro-batches beyond the profiled pass were counted as a
+    fixed cost of every step: the model predicted a step training only the last bias at 3 passes more than it took."""
+    micro_batches, speedup, steps = 4, 1.5, 64
+    loading = tuple(f * PROFILE.t_full for f in (0.0, 0.1, 0.2, 0.3))
+    device = AccumulatingDevice(loading)
+    callback = ElasticTensorSelection(
+        speedup=speedup, interval=16, interval_unit="step", profile=PROFILE, clock=device.clock
+    )
+    torch.manual_seed(0)
+    trainer = tiny_trainer(
+        callbacks=[device, callback], max_steps=steps, max_epochs=-1, accumulate_grad_batches=micro_batches
+    )
+    trainer.fit(TinyNet(), tiny_data(samples=1024))
+    fit, truth = callback._fit, device.step_model()
+    assert fit is not None and fit.plan.full_samples > 0 and fit.plan.total_steps == steps
+    full = micro_batches * PROFILE.t_full + math.fsum(loading)
+    assert truth.full == pytest.approx(full)
+    assert fit.plan.full_step == pytest.approx(full) and fit.plan.warmup == pytest.approx(0.0, abs=1e-6)
+    assert [r.full_seconds for r in callback.history] == pytest.approx([full] * len(callback.history))
+    first = callback.history[0]
+    assert first.step == windows.first_window()  # the first window timed steady full steps
+    ahead = fit.schedule.probe_steps_between(first.step, steps)
+    planned = (steps * full / speedup - first.step * full - ahead * full) / (steps - first.step - ahead)
+    assert first.decision.target_seconds == pytest.approx(planned, rel=1e-9)
+    for record in callback.history:
+        assert record.decision.predicted_seconds == pytest.approx(truth.predict(record.mask), rel=1e-9)
+        assert record.measured_seconds == pytest.approx([truth.predict(record.mask)] * len(record.measured_seconds))
+        reference = decide(
+            truth, record.decision.importance, record.decision.target_seconds, required=fit.required,
+            forbidden=fit.forbidden, resolution=1000,
+        )
+        assert record.mask == reference.mask and not record.decision.starved, record
+    assert fit.plan.correction == pytest.approx(1.0, rel=1e-9) and not any(r.replanned for r in callback.history)
+    assert any(record.mask.count(True) > 2 for record in callback.history)  # not the last bias alone, as before
+    summary = callback.summary()
+    assert summary["full_fit_seconds"] == pytest.approx(steps * full)
+    assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
+    assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
