@@ -205,7 +205,11 @@ class ElasticTensorSelection(Callback):
                 self._first = FirstStep(pl_module.device, self._clock, self._clock() - started)  # see FirstStep
                 return
             prof, timed = measure_profile(trainer, pl_module, choice, resolve_cache_dir(self._cache_dir))
-        self._begin(trainer, pl_module, prof, self._clock() - started, timed)
+        fit = self._begin(trainer, pl_module, prof, self._clock() - started, timed)
+        # A fit resumed mid-epoch (where `every_n_train_steps` checkpoints are) gets no `on_train_epoch_start` before
+        # its first step: its step is timed, and the restored selection's BatchNorm modes are set, from here.
+        fit.step_timer.start()
+        fit.bn_frozen = apply_bn_policy(pl_module, self._bn_policy, fit.bn_frozen)
 
     def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:
         """The first step ran its forward and backward pass: profile on its batch, then begin before its update."""

@@ -12,8 +12,9 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
 
-from lightning_elastic import ElasticTensorSelection, reporting
+from lightning_elastic import ElasticTensorSelection, reporting, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling.runner import Runner
@@ -55,6 +56,38 @@ def test_resume_mid_interval_keeps_the_mask_in_force(tmp_path: Path) -> None:
     assert [r.step for r in resumed.history] == [2, 6, 12]
     # and the run before the crash trained exactly what an uninterrupted run trains
     assert reference_recorder.trainable[:10] == crashed_recorder.trainable[:10]
+
+
+class BatchNormModes(Callback):
+    """Per optimizer step: whether the BatchNorm layer `net.1` is in train mode, and whether its weight trains."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, tuple[bool, bool]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        layer = pl_module.net[1]
+        self.by_step[trainer.global_step] = (layer.training, layer.weight.requires_grad)
+
+
+def test_a_fit_resumed_mid_epoch_sets_the_batchnorm_modes_of_the_selection_in_force(tmp_path: Path) -> None:
+    """Under `bn_policy="freeze"` the selection of step 2 freezes the BatchNorm layer's tensors and puts it in eval
+    mode. A resume from step 5, mid-epoch, gets no `on_train_epoch_start`, where the modes were set: before, its steps
+    up to the next window trained with the layer frozen but in train mode (its running statistics still updated)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+    modes = BatchNormModes()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(
+            [elastic(interval=8, bn_policy="freeze"), checkpoint, modes, Crash(at_step=7)],
+            max_steps=16,
+            enable_checkpointing=True,
+        )
+    resumed = BatchNormModes()
+    tiny_trainer(callbacks=[elastic(interval=8, bn_policy="freeze"), resumed], max_steps=16).fit(
+        TinyNet(), tiny_data(), ckpt_path=next(tmp_path.glob("*step=5.ckpt"))
+    )
+    assert modes.by_step[5] == (False, False)  # frozen and in eval mode, as the selection of step 2 left it
+    assert resumed.by_step[5] == modes.by_step[5]
+    assert resumed.by_step[6] == modes.by_step[6] == (True, True)  # the probe window trains it, in train mode
 
 
 class PlanAtStart(Callback):
@@ -101,6 +134,82 @@ def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     expected = dataclasses.replace(saved_plan, spent=saved_plan.spent + 100.0, overhead=saved_plan.overhead + 100.0)
     assert watch.plan == pytest.approx(expected.state_dict(), rel=1e-12)  # the clock's differences round
     assert resumed.summary()["fit_speedup"] > 1.0
+
+
+class OffTheModel(VirtualDevice):
+    """The virtual device, on which a step that trains a selection takes `error` times what the time model predicts,
+    and a full step exactly that: `T` is the model's, and the plan's correction learns `error`."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        named = dict(pl_module.named_parameters())
+        trainable = tuple(named[n].requires_grad for n in PROFILE.names)
+        self.now += (1.0 if all(trainable) else self.error) * self.model.predict(trainable)
+
+
+@pytest.mark.parametrize("error", [0.7, 1.3])
+def test_a_resumed_fit_goes_on_as_the_uninterrupted_one_with_the_correction_it_learnt(
+    error: float, tmp_path: Path
+) -> None:
+    """Selected steps take `error` times the time model's prediction, so by the checkpoint (step 20, within the
+    selection of step 16) the plan's correction is `error`, and every later target is divided by it. The resumed fit
+    then spends, plans and selects exactly as the uninterrupted one. What legitimately differs: the resumed process's
+    first `WARMUP_STEPS` steps are charged but are no samples, so the selection in force measured that many steps
+    fewer (of the same seconds), and they count as warm-up. Before, the first resumed step was charged nothing: a
+    resume mid-epoch (which is where `every_n_train_steps` checkpoints are) calls no `on_train_epoch_start`, where the
+    step timer started."""
+    settings: dict[str, Any] = dict(speedup=1.5, profile=PROFILE, interval=16, interval_unit="step")
+    steps, at = 64, 20
+
+    def data() -> DataLoader[tuple[torch.Tensor, ...]]:
+        # 20 steps an epoch and unshuffled: the resumed process's new loader gives the batches the uninterrupted fit
+        # trains on after step 20 (a shuffled one would start its generator again)
+        return DataLoader(tiny_data(samples=640).dataset, batch_size=32)
+
+    device = OffTheModel(error)
+    uninterrupted = ElasticTensorSelection(clock=device.clock, **settings)
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[device, uninterrupted], max_steps=steps, max_epochs=-1).fit(TinyNet(), data())
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=at, save_top_k=-1)
+    crashing = OffTheModel(error)
+    first = ElasticTensorSelection(clock=crashing.clock, **settings)
+    torch.manual_seed(0)  # the same initial weights
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tiny_trainer(
+            callbacks=[crashing, first, checkpoint, Crash(at + 2)], max_steps=steps, max_epochs=-1,
+            enable_checkpointing=True,
+        ).fit(TinyNet(), data())
+    ckpt = next(tmp_path.glob(f"*step={at}.ckpt"))
+    saved = next(v for k, v in torch.load(ckpt, weights_only=False)["callbacks"].items() if "ElasticTensor" in k)
+    resumed_device = OffTheModel(error)
+    resumed = ElasticTensorSelection(clock=resumed_device.clock, **settings)
+    watch = PlanAtStart(resumed)
+    tiny_trainer(callbacks=[resumed_device, resumed, watch], max_steps=steps, max_epochs=-1).fit(
+        TinyNet(), data(), ckpt_path=ckpt
+    )
+    assert saved["plan"]["correction"] == pytest.approx(error) and saved["plan"]["full_samples"] > 0
+    assert watch.plan == pytest.approx(saved["plan"])  # restored as saved (the fake clock charges no start)
+    reference, history = uninterrupted.history, resumed.history
+    in_force = max(k for k, r in enumerate(reference) if r.step <= at)
+    assert [r.step for r in reference] == [r.step for r in history] and reference[in_force + 1].step > at
+    for k, (ours, theirs) in enumerate(zip(history, reference, strict=True)):
+        assert ours.decision.mask == theirs.decision.mask and ours.replanned == theirs.replanned, k
+        assert ours.decision.importance == pytest.approx(theirs.decision.importance, rel=1e-9), k
+        assert ours.decision.target_seconds == pytest.approx(theirs.decision.target_seconds, rel=1e-9), k
+        assert ours.decision.predicted_seconds == pytest.approx(theirs.decision.predicted_seconds, rel=1e-9), k
+        assert ours.full_seconds == pytest.approx(theirs.full_seconds, rel=1e-9), k
+        skipped = windows.WARMUP_STEPS if k == in_force else 0
+        assert len(ours.measured_seconds) == len(theirs.measured_seconds) - skipped, k
+        assert ours.measured_step == pytest.approx(theirs.measured_step, rel=1e-9), k  # steps alike, fewer of them
+    assert resumed._fit is not None and uninterrupted._fit is not None
+    assert resumed._fit.plan.state_dict() == pytest.approx(uninterrupted._fit.plan.state_dict(), rel=1e-9)
+    assert resumed._fit.plan.correction == pytest.approx(error)
+    ours_summary, theirs_summary = resumed.summary(), uninterrupted.summary()
+    for figure in ("spent_seconds", "planned_seconds", "full_fit_seconds", "fit_speedup", "probe_seconds"):
+        assert ours_summary[figure] == pytest.approx(theirs_summary[figure], rel=1e-9), figure
+    selected = reference[in_force].measured_seconds[0]  # each step of the selection in force took that
+    assert ours_summary["warmup_seconds"] == pytest.approx(
+        theirs_summary["warmup_seconds"] + windows.WARMUP_STEPS * selected, rel=1e-9
+    )
 
 
 def test_a_resume_before_t_is_measured_keeps_the_warm_up_the_first_window_measured(tmp_path: Path) -> None:
