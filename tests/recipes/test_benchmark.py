@@ -29,6 +29,7 @@ from lightning_elastic.inspection import MAP_STATES, selection_map
 from lightning_elastic.records import Decision, Mask, SelectionRecord
 from tests.integration.tiny import synthetic_profile
 from tests.recipes.recipe_fakes import CONF, REPO, compose_config, fake_fashion_mnist
+from tests.recipes.test_cli import config_error_lines, run_recipe
 
 CODE = CodeProvenance(Path("/src/lightning_elastic"), "a" * 40, dirty=False)
 PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
@@ -346,6 +347,29 @@ def test_the_report_names_the_commit_of_the_library_measured_and_its_uncommitted
     (copy / "__init__.py").write_text("x = 1\n")
     assert code_provenance(copy) == CodeProvenance(copy.resolve(), "", dirty=False)
     assert code_provenance(copy).line() == f"code: lightning_elastic from {copy.resolve()} (not in a git checkout)"
+
+
+def test_a_bad_benchmark_value_on_the_command_line_ends_it_with_its_message_before_any_run(tmp_path: Path) -> None:
+    """A misspelt baseline and a speedup below 1: exit status 2 and no traceback, one line per setting naming it,
+    what is allowed and what was given; and nothing started (no progress line, no run folder, no results)."""
+    result = run_recipe(
+        "benchmark.py",
+        "benchmark=tiny",
+        "benchmark.baselines=[full,head_onyl]",
+        "benchmark.elastic_speedups=[0.5]",
+        f"paths.data_dir={tmp_path / 'data'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert config_error_lines(result) == [
+        "The configuration has 2 problems; nothing was run:",
+        "  - benchmark: `baselines` must be distinct names among ('full', 'head_only', 'bitfit', 'static_last_k', "
+        "'backbone_finetuning', 'linear_freeze'). Found: ['full', 'head_onyl']",
+        "  - benchmark: `elastic_speedups` must be distinct numbers > 1. Found: [0.5]",
+        "docs/errors.md says what to do about each.",
+    ]
+    assert "[benchmark]" not in result.stdout  # not even the code line printed once the config is checked
+    run = tmp_path / "run"
+    assert not any((run / name).exists() for name in ("runs", "results.md", "results.csv", "runs.json", "profiles"))
 
 
 def test_method_names_say_the_speedup() -> None:
