@@ -30,6 +30,7 @@ from lightning_elastic.freezing import is_compiled
 from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.profiling.graph import StepSignature
 from lightning_elastic.profiling.profile import (
+    StaleProfileError,
     TimeModel,
     TimingMethod,
     TimingProfile,
@@ -68,10 +69,7 @@ def reusable_profile(
     loaded = load_given_profile(given)
     if loaded is not None:
         return loaded
-    for source, candidate in (
-        ("checkpoint's", TimingProfile.from_dict(restored) if restored else None),
-        ("previous fit's", previous),
-    ):
+    for source, candidate in (("checkpoint's", _checkpoint_profile(restored)), ("previous fit's", previous)):
         if candidate is None:
             continue
         if candidate is previous and candidate.method == "flops" and choice.method == "measured":
@@ -88,6 +86,21 @@ def reusable_profile(
             "profiling again."
         )
     return None
+
+
+def _checkpoint_profile(restored: Mapping[str, Any] | None) -> TimingProfile | None:
+    """The profile a checkpoint saved; None when it saved none, or one in an older file format (said: the fit
+    profiles again)."""
+    if not restored:
+        return None
+    try:
+        return TimingProfile.from_dict(restored)
+    except StaleProfileError as err:
+        rank_zero_info(
+            f"ElasticTensorSelection: the checkpoint's timing profile was written in another format ({err}); "
+            "profiling again."
+        )
+        return None
 
 
 # What a first profile costs, in full training steps, by time model (docs/time_model.md): "measured" times every

@@ -28,7 +28,7 @@ TimingMethod = Literal["measured", "flops"]
 # What the callback is told: a method, or "auto" (`harness.ProfileChoice`: the one the fit can pay for).
 TimeModel = Literal["auto", "measured", "flops"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `shapes`
 
 class StaleProfileError(ValueError):
     """Profile data written in another format version."""
@@ -52,6 +52,8 @@ class TimingProfile:
         unused: parameters that require grad but that the forward pass does not use.
         method: ``"measured"`` or ``"flops"``.
         numel: elements of each tensor.
+        shapes: each tensor's shape. A measured profile always has them; a profile built by hand may leave them None,
+            and then only its element counts are checked against a module (`mismatch`).
         t_tail: seconds that every non-empty selection adds to ``t_fw``: backward of the loss and of the
             ops after the last tensor, graph recording of those ops and the autograd engine's start.
         profile_seconds: seconds that measuring this profile took.
@@ -80,6 +82,7 @@ class TimingProfile:
     t_tail: float = 0.0
     profile_seconds: float = 0.0
     t_step: float = 0.0
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -90,6 +93,14 @@ class TimingProfile:
         ]
         if len(set(self.names)) != n:
             problems.append("`names` must be unique")
+        if self.shapes is not None:
+            if len(self.shapes) != n:
+                problems.append(f"`shapes` has {len(self.shapes)} entries, `names` has {n}")
+            problems += [
+                f"`shapes[{i}]` has {math.prod(shape)} elements, `numel[{i}]` is {count}"
+                for i, (shape, count) in enumerate(zip(self.shapes, self.numel, strict=False))
+                if math.prod(shape) != count
+            ]
         times = {"t_fw": self.t_fw, "t_full": self.t_full, "t_tail": self.t_tail, "t_step": self.t_step}
         times.update({f"t_dw[{i}]": v for i, v in enumerate(self.t_dw)})
         times.update({f"t_dy[{i}]": v for i, v in enumerate(self.t_dy)})
@@ -167,6 +178,7 @@ class TimingProfile:
             "unused": list(self.unused),
             "method": self.method,
             "numel": list(self.numel),
+            "shapes": None if self.shapes is None else [list(shape) for shape in self.shapes],
             "profile_seconds": self.profile_seconds,
             "t_step": self.t_step,
         }
@@ -183,7 +195,7 @@ class TimingProfile:
             >>> TimingProfile.from_dict({"version": 0})
             Traceback (most recent call last):
             ...
-            lightning_elastic.profiling.profile.StaleProfileError: `data["version"]` must be 1. Found: 0
+            lightning_elastic.profiling.profile.StaleProfileError: `data["version"]` must be 2. Found: 0
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"`data` must be a mapping. Found: {type(data).__name__}")
@@ -209,6 +221,13 @@ class TimingProfile:
         if not _is_kind(data.get("t_step", 0.0), float):  # files written before fits remembered their step lack it
             raise ValueError(f'`data["t_step"]` must be a number. Found: {data.get("t_step")!r}')
         kwargs["t_step"] = float(data.get("t_step", 0.0))
+        shapes = data.get("shapes")
+        if shapes is not None:
+            if not isinstance(shapes, list) or not all(
+                isinstance(s, list) and all(_is_kind(d, int) for d in s) for s in shapes
+            ):
+                raise ValueError(f'`data["shapes"]` must be a list of lists of int, or null. Found: {shapes!r:.80}')
+            kwargs["shapes"] = tuple(tuple(s) for s in shapes)
         for key in ("device", "fingerprint", "method"):
             if not isinstance(data.get(key), str):
                 raise ValueError(f'`data["{key}"]` must be a string. Found: {data.get(key)!r}')
@@ -248,17 +267,29 @@ def cache_key(
 
 
 def mismatch(prof: TimingProfile, module: nn.Module) -> str | None:
-    """Why ``prof`` does not describe ``module``'s parameters (names, element counts, every trainable tensor), or None.
+    """Why ``prof`` does not describe ``module``'s parameters (names, shapes or, without `TimingProfile.shapes`,
+    element counts, every trainable tensor), or None.
 
     Example:
-        >>> prof = TimingProfile(("weight",), (1.0,), (0.0,), 1.0, 2.0, "cpu", "f", (), "measured", (6,))
+        >>> prof = TimingProfile(("weight",), (1.0,), (0.0,), 1.0, 2.0, "cpu", "f", (), "measured", (6,),
+        ...                      shapes=((2, 3),))
         >>> mismatch(prof, nn.Linear(3, 2, bias=False)) is None, mismatch(prof, nn.Linear(3, 2))
         (True, "trainable tensors it does not cover: ['bias']")
+        >>> mismatch(prof, nn.Linear(2, 3, bias=False))
+        "shapes that differ: ['weight ((2, 3) profiled, (3, 2) in the module)']"
     """
     named = dict(module.named_parameters())
     missing = [name for name in prof.names if name not in named]
     if missing:
         return f"names the module does not have: {missing[:5]}"
+    if prof.shapes is not None:
+        shapes = [
+            f"{name} ({shape} profiled, {tuple(named[name].shape)} in the module)"
+            for name, shape in zip(prof.names, prof.shapes, strict=True)
+            if tuple(named[name].shape) != shape
+        ]
+        if shapes:
+            return f"shapes that differ: {shapes[:5]}"
     sizes = [
         f"{name} ({count} elements profiled, {named[name].numel()} in the module)"
         for name, count in zip(prof.names, prof.numel, strict=True)
@@ -383,6 +414,11 @@ def load_given_profile(given: TimingProfile | str | os.PathLike[str] | None) -> 
     path = Path(given)
     try:
         return read_profile(path)
+    except StaleProfileError as err:
+        raise ElasticConfigError(
+            f"`profile` must be a timing profile written in this version's file format ({FORMAT_VERSION}): profile "
+            f"the model again, or leave `profile` unset and the fit profiles it. Found: {str(path)!r} ({err})"
+        ) from err
     except (OSError, ValueError) as err:
         raise ElasticConfigError(
             f"`profile` must be a readable timing profile saved as JSON. Found: {str(path)!r} ({err})"

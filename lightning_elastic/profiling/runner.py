@@ -136,6 +136,7 @@ def profile(
             unused=tuple(candidates[c][0] for c in range(len(candidates)) if c not in set(result.order)),
             method=method,
             numel=tuple(candidates[c][1].numel() for c in result.order),
+            shapes=tuple(tuple(candidates[c][1].shape) for c in result.order),
             t_tail=result.t_tail,
             profile_seconds=runner.clock.now() - start,
         )

@@ -4,6 +4,7 @@ in one Trainer, and the model given back as the user had it when a fit ends with
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -449,3 +450,29 @@ def test_a_batchnorm_layer_the_user_left_in_eval_mode_stays_there() -> None:
     assert {trains for trains, _ in seen} == {False, True}  # frozen by a selection, trained by a window after it
     assert all(not mode for _, mode in seen)
     assert not module.net[1].training and all(m.training for n, m in module.named_modules() if n != "net.1")
+
+
+@pytest.mark.usefixtures("ticking_profiler")  # profiled for real, at 1.001
+def test_a_checkpoint_whose_profile_is_in_an_older_format_is_resumed_with_a_new_profile(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint written before the profile format's last change (format 1: no `shapes`) holds a profile this
+    version cannot read: the resumed fit says so and profiles again, and keeps the checkpoint's selection (reading it
+    raises `StaleProfileError`, which would leave no fit able to resume from a checkpoint of an earlier version)."""
+    settings: dict[str, Any] = dict(speedup=1.001, probe_steps=2, interval=1, calibrate=False, cache_dir=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
+    first = ElasticTensorSelection(**settings)
+    tiny_trainer(callbacks=[first, checkpoint], max_steps=10, enable_checkpointing=True).fit(TinyNet(), tiny_data())
+    ckpt = next(tmp_path.glob("*step=10.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)
+    state = next(v for k, v in saved["callbacks"].items() if "ElasticTensorSelection" in k)
+    state["profile"] = {k: v for k, v in state["profile"].items() if k != "shapes"} | {"version": 1}
+    torch.save(saved, ckpt)
+
+    resumed, recorder = ElasticTensorSelection(**settings), Recorder()
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[resumed, recorder], max_steps=16).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
+    assert "the checkpoint's timing profile was written in another format (`data[\"version\"]` must be 2. Found: " \
+        "1); profiling again." in caplog.text
+    assert resumed.timing_profile is not None and resumed.timing_profile.shapes is not None
+    assert recorder.trainable[0] == tuple(state["mask"])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,6 +69,11 @@ def test_true_precision_profiles_the_converted_batch(precision: str, dtype: torc
             r"Found: element counts that differ: \['net.0.weight \(512 elements profiled, 1024 in the module\)'",
             id="other sizes",
         ),
+        pytest.param(
+            lambda: reshaped(TinyNet()),
+            r"Found: shapes that differ: \['net.0.weight \(\(16, 64\) profiled, \(64, 16\) in the module\)'\]$",
+            id="a reshaped tensor",
+        ),
     ],
 )
 def test_a_given_profile_of_another_model_is_refused(other: Callable[[], TimingProfile], found: str) -> None:
@@ -76,6 +84,31 @@ def test_a_given_profile_of_another_model_is_refused(other: Callable[[], TimingP
     callback = ElasticTensorSelection(speedup=1.6, probe_steps=2, profile=prof, calibrate=False)
     trainer = tiny_trainer(callbacks=[callback], max_steps=3)
     with pytest.raises(ElasticConfigError, match=r"`profile` must describe this module's parameters .*" + found):
+        trainer.fit(TinyNet(), tiny_data())
+    assert trainer.global_step == 0
+
+
+def reshaped(module: TinyNet) -> TimingProfile:
+    """The profile of `module` with its first weight transposed (a Linear(64, 16) there): the same element count."""
+    shapes = [tuple(p.shape) for p in module.parameters()]
+    shapes[0] = shapes[0][::-1]
+    return replace(synthetic_profile(module), shapes=tuple(shapes))
+
+
+def test_a_given_profile_file_in_an_older_format_is_refused_saying_so(tmp_path: Path) -> None:
+    """A file of format 1 (before `shapes`) cannot say which shapes it describes: refused as training starts, with
+    what to do. Before, its element counts alone were checked."""
+    data = {**synthetic_profile(TinyNet()).to_dict(), "version": 1}
+    del data["shapes"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    callback = ElasticTensorSelection(speedup=1.6, probe_steps=2, profile=path, calibrate=False)
+    trainer = tiny_trainer(callbacks=[callback], max_steps=3)
+    message = (
+        "`profile` must be a timing profile written in this version's file format (2): profile the model again, or "
+        f"leave `profile` unset and the fit profiles it. Found: {str(path)!r} (`data[\"version\"]` must be 2. Found: 1)"
+    )
+    with pytest.raises(ElasticConfigError, match=re.escape(message)):
         trainer.fit(TinyNet(), tiny_data())
     assert trainer.global_step == 0
 

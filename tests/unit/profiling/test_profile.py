@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
-from lightning_elastic.profiling.profile import cache_file, read_profile, remember_step
+from lightning_elastic.profiling.profile import cache_file, mismatch, read_profile, remember_step, store
 from tests.unit.profiling.fakes import small
 
 
@@ -44,6 +44,7 @@ def test_cache_hit_reuses_the_stored_profile(tmp_path: Path) -> None:
     ("damage", "reason"),
     [
         (lambda d: {**d, "version": 0}, "stale"),
+        (lambda d: {**{k: v for k, v in d.items() if k != "shapes"}, "version": 1}, "stale"),  # before `shapes`
         (lambda d: {**d, "fingerprint": "0" * 64}, "does not match"),
         (lambda d: {**d, "t_dw": "oops"}, "corrupt"),
         (None, "corrupt"),
@@ -176,3 +177,41 @@ def test_a_cache_entry_that_cannot_keep_the_steady_step_is_left_as_it_is_with_a_
     with pytest.warns(UserWarning, match="could not keep this fit's steady full step"):
         remember_step(tmp_path, cached, 0.25)
     assert path.read_text() == "{not json"
+
+
+def test_shapes_are_measured_and_go_through_the_profile_file(tmp_path: Path) -> None:
+    """A measured profile records each tensor's shape; the one writer and reader keep them, and a hand-built profile
+    without them (`shapes=None`) reads back as it was."""
+    net, loss_fn = small()
+    measured = profile(net, loss_fn, repeats=1)
+    named = dict(net.named_parameters())
+    assert measured.shapes == tuple(tuple(named[name].shape) for name in measured.names)
+    path = tmp_path / "profile.json"
+    store(path, measured)
+    assert read_profile(path) == measured
+    assert json.loads(path.read_text())["shapes"] == [list(named[name].shape) for name in measured.names]
+    hand_built = TimingProfile(("a",), (1.0,), (0.0,), 2.0, 3.0, "cpu", "f", (), "measured", (4,))
+    assert hand_built.shapes is None
+    store(path, hand_built)
+    assert read_profile(path) == hand_built
+
+
+def test_shapes_must_agree_with_the_element_counts() -> None:
+    with pytest.raises(ValueError, match=r"`shapes\[0\]` has 6 elements, `numel\[0\]` is 4"):
+        TimingProfile(("a",), (1.0,), (0.0,), 2.0, 3.0, "cpu", "f", (), "measured", (4,), shapes=((2, 3),))
+    with pytest.raises(ValueError, match="`shapes` has 2 entries, `names` has 1"):
+        TimingProfile(("a",), (1.0,), (0.0,), 2.0, 3.0, "cpu", "f", (), "measured", (4,), shapes=((4,), (4,)))
+    data = TimingProfile(("a",), (1.0,), (0.0,), 2.0, 3.0, "cpu", "f", (), "measured", (4,), shapes=((4,),)).to_dict()
+    with pytest.raises(ValueError, match=r'`data\["shapes"\]` must be a list of lists of int, or null'):
+        TimingProfile.from_dict({**data, "shapes": [4]})
+
+
+def test_a_tensor_reshaped_to_the_same_element_count_is_a_mismatch_naming_both_shapes() -> None:
+    """A Linear(6, 4) profile for a Linear(4, 6): names and element counts agree, shapes (and costs) do not."""
+    profiled = nn.Linear(6, 4, bias=False)
+    measured = profile(profiled, lambda: profiled(torch.randn(8, 6)).sum(), repeats=1)
+    assert mismatch(measured, profiled) is None
+    assert mismatch(measured, nn.Linear(4, 6, bias=False)) == (
+        "shapes that differ: ['weight ((4, 6) profiled, (6, 4) in the module)']"
+    )
+    assert mismatch(dataclasses.replace(measured, shapes=None), nn.Linear(4, 6, bias=False)) is None  # counts only
