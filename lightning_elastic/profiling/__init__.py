@@ -33,7 +33,8 @@ Modules: `profile` (the `TimingProfile` type and its one JSON reader/writer), `r
 arguments, the cache, the model left as found), `passes` (the passes of one profile and the two methods that
 combine them), `graph` (recording and walking the autograd graph), `attribution` (node times to tensors, aligning graphs
 that differ), `calibration` (against plain timings), `flops` (analytic op costs), `state` (what profiling must
-leave as it found), `harness` (the first training batch to the loss, as Lightning's own step computes it).
+leave as it found), `harness` (the first training batch to the loss, as Lightning's own step computes it), `reuse`
+(which profile a fit can use without measuring).
 """
 
 from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile
