@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -12,10 +13,14 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_elastic import ElasticTensorSelection, TimingProfile
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling import reuse
+from lightning_elastic.profiling.profile import device_name
+from tests.integration.test_contract import PROFILE, VirtualDevice
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 
@@ -144,6 +149,128 @@ def test_the_previous_fits_profile_is_kept_for_the_same_step_and_measured_again_
         tiny_trainer(callbacks=[callback], max_steps=2).fit(module, tiny_data())
     assert callback.timing_profile is not first and callback.timing_profile is not None
     assert callback.timing_profile.fingerprint != first.fingerprint
-    assert "the previous fit's timing profile does not describe this model (the training step's fingerprint" in (
-        caplog.text
+    assert (
+        "the previous fit's timing profile does not describe this model (it was taken of another training step: its "
+        "graph, the shapes or dtypes of its inputs or parameters, or the torch version differ); profiling again."
+    ) in caplog.text
+
+
+OTHER_STEP = (
+    "ElasticTensorSelection: the given `profile` does not match this fit's training step ({}). It is used as given: "
+    "its times may be off for this step; the step times the fit measures correct the plan's totals, not how the "
+    "tensors' costs compare. Leave `profile` unset to profile this step (or read its cached profile)."
+)
+
+
+class WarnedBeforeTraining(Callback):
+    """The warnings caught (in `caught`) when the first training batch starts."""
+
+    def __init__(self, caught: list[warnings.WarningMessage]) -> None:
+        self.caught = caught
+        self.before: list[str] | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.before is None:
+            self.before = [str(w.message) for w in self.caught]
+
+
+def fit_given(module: TinyNet, prof: TimingProfile) -> tuple[ElasticTensorSelection, list[str]]:
+    """A fit of `module` given `prof`, and what it warned about its profile before the first batch (it warns of
+    nothing else after)."""
+    callback = profiling(speedup=1.05, profile=prof)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch = WarnedBeforeTraining(caught)
+        tiny_trainer(callbacks=[callback, watch], max_steps=2).fit(module, tiny_data())
+    said = [str(w.message) for w in caught if "`profile`" in str(w.message)]
+    assert watch.before is not None and [m for m in watch.before if "`profile`" in m] == said
+    return callback, said
+
+
+@pytest.mark.usefixtures("ticking_profiler")
+def test_a_given_profile_of_another_step_over_the_same_parameters_is_said_before_training_and_used() -> None:
+    """Same names and shapes, another graph (relu made tanh): the profile's times are another step's. Said before
+    the first batch and used as given (the user asked for it). Before: used without a word."""
+    torch.manual_seed(0)
+    module = Activated()
+    measuring = profiling(speedup=1.05)
+    tiny_trainer(callbacks=[measuring], max_steps=2).fit(module, tiny_data())
+    prof = measuring.timing_profile
+    assert prof is not None
+    module.activation = torch.tanh
+    callback, said = fit_given(module, prof)
+    step = (
+        "it was taken of another training step: its graph, the shapes or dtypes of its inputs or parameters, or the "
+        "torch version differ"
     )
+    assert said == [OTHER_STEP.format(step)]
+    assert callback.timing_profile is prof
+
+
+@pytest.mark.usefixtures("ticking_profiler")
+def test_a_given_profile_of_this_step_is_used_without_a_word() -> None:
+    torch.manual_seed(0)
+    module = Activated()
+    measuring = profiling(speedup=1.05)
+    tiny_trainer(callbacks=[measuring], max_steps=2).fit(module, tiny_data())
+    prof = measuring.timing_profile
+    assert prof is not None
+    callback, said = fit_given(module, prof)
+    assert said == []
+    assert callback.timing_profile is prof
+
+
+@pytest.mark.usefixtures("ticking_profiler")
+def test_a_given_profile_taken_with_another_thread_count_names_both_devices() -> None:
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    module = Activated()
+    measuring = profiling(speedup=1.05)
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        tiny_trainer(callbacks=[measuring], max_steps=2).fit(module, tiny_data())
+        taken = device_name(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    prof = measuring.timing_profile
+    assert prof is not None and prof.device == taken
+    _, said = fit_given(module, prof)
+    assert said == [OTHER_STEP.format(f"it was taken on {taken}, this fit runs on {device_name(torch.device('cpu'))}")]
+
+
+def test_the_check_of_a_given_profile_leaves_no_trace_and_is_charged_to_the_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check's forward and backward pass changes nothing the fit computes: with it, the fit's weights, buffers
+    and selections are bit-identical to a fit without it. Its seconds are charged to the fit with its start (here the
+    simulated device's clock moves 100 s while it runs)."""
+    settings: dict[str, Any] = dict(speedup=1.5, interval=4, interval_unit="step", probe_steps=2)
+    own = reuse.step_difference
+
+    def fit(check_seconds: float | None) -> tuple[ElasticTensorSelection, TinyNet]:
+        """A fit given the synthetic `PROFILE` on the simulated device: without the check (None), or with it taking
+        `check_seconds` of the device's clock."""
+        device = VirtualDevice(1.0)
+
+        def check(*args: Any) -> str | None:
+            if check_seconds is None:
+                return None
+            device.now += check_seconds
+            return own(*args)
+
+        monkeypatch.setattr(reuse, "step_difference", check)
+        callback = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
+        torch.manual_seed(0)
+        module = TinyNet()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*the given `profile` does not match")  # a synthetic profile
+            tiny_trainer(callbacks=[device, callback], max_steps=12, max_epochs=-1).fit(module, tiny_data())
+        return callback, module
+
+    unchecked, plain = fit(None)
+    checked, module = fit(0.0)
+    assert [r.mask for r in checked.history] == [r.mask for r in unchecked.history] and len(checked.history) >= 2
+    after, without = module.state_dict(), plain.state_dict()
+    assert all(torch.equal(after[name], without[name]) for name in without)  # weights, BatchNorm statistics
+    slow, _ = fit(100.0)
+    assert slow.summary()["profile_seconds"] == pytest.approx(checked.summary()["profile_seconds"] + 100.0)
