@@ -165,6 +165,39 @@ def test_profile_command_prints_and_saves_the_timing_table(tmp_path: Path) -> No
     assert all(f"| {name} |" in table for name in expected)
 
 
+@pytest.mark.slow
+def test_a_profile_from_the_profile_command_is_the_training_steps_of_a_fit_with_the_same_settings(
+    tmp_path: Path,
+) -> None:
+    """The command profiles the module's own `training_step`, so a fit given its `profile.json` finds the profile's
+    fingerprint in its step, and says nothing about it. Before, it profiled `cross_entropy(module(images))`, which
+    leaves out the step's accuracy metric: every fit given its profile warned that the profile was another step's."""
+    shared = ["model=tiny", "dataset.image_size=16", "dataset.batch_size=64", "device.threads=1"]
+    cache = f"paths.cache_dir={tmp_path / 'cache'}"  # a fit given a profile reads no cache: the check is the step's
+    profiled = run_recipe("profile_model.py", *shared, cache, f"hydra.run.dir={tmp_path / 'profile'}")
+    assert profiled.returncode == 0, profiled.stderr[-3000:]
+    assert "self.log" not in profiled.stderr  # the step's logging, with no Trainer to log to, is not the user's concern
+    given = tmp_path / "profile" / "profile.json"
+    result = run_recipe(
+        "train.py",
+        "experiment=demo",
+        *shared,
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=6",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
+        "trainer.enable_checkpointing=false",
+        "logger=none",
+        "elastic.probe_steps=2",
+        "elastic.speedup=1.25",
+        f"+elastic.profile={given}",
+        cache,
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "does not match this fit's training step" not in result.stderr
+
+
 def test_profile_command_checks_its_values_up_front(tmp_path: Path) -> None:
     # A misspelt `time_model` used to reach `profile(...)` and end in a ValueError's traceback (exit 1).
     result = run_recipe(
