@@ -84,6 +84,7 @@ class ElasticTensorSelection(Callback):
             (`$LIGHTNING_ELASTIC_CACHE_DIR`, else `$XDG_CACHE_HOME/lightning-elastic`, else
             `~/.cache/lightning-elastic`); False profiles every run.
         profile: a timing profile to use instead of profiling: a `TimingProfile`, or the path of one saved as JSON.
+            One of other parameters is refused; one of another training step or device is used, with a warning.
         calibrate: plan the wall clock from measured step times (the contract). False gives every selected step
             `1 / speedup` of the profile's full step, with no feedback: decisions then depend on importance only,
             the same in every run (for comparing runs), and the whole-fit speedup is not kept.
