@@ -70,7 +70,7 @@ def profiled_parameters(pl_module: L.LightningModule, prof: TimingProfile) -> li
     if reason is not None:
         raise ElasticConfigError(
             "`profile` must describe this module's parameters (names as `named_parameters()` gives them, their "
-            f"element counts, every tensor that requires grad): profile this module. Found: {reason}"
+            f"shapes, every tensor that requires grad): profile this module. Found: {reason}"
         )
     named = dict(pl_module.named_parameters())
     return [named[name] for name in prof.names]
