@@ -284,9 +284,9 @@ def mismatch(prof: TimingProfile, module: nn.Module) -> str | None:
         return f"names the module does not have: {missing[:5]}"
     if prof.shapes is not None:
         shapes = [
-            f"{name} ({shape} profiled, {tuple(named[name].shape)} in the module)"
+            f"{name} ({tuple(shape)} profiled, {tuple(named[name].shape)} in the module)"
             for name, shape in zip(prof.names, prof.shapes, strict=True)
-            if tuple(named[name].shape) != shape
+            if tuple(named[name].shape) != tuple(shape)  # a hand-built profile may hold lists
         ]
         if shapes:
             return f"shapes that differ: {shapes[:5]}"
