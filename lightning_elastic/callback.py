@@ -40,8 +40,8 @@ from lightning_elastic.freezing import BnPolicy, UserState, apply_bn_policy, fre
 from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimeModel, TimingProfile
+from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
 from lightning_elastic.profiling.harness import FirstStep, ProfileChoice, measure_profile
-from lightning_elastic.profiling.profile import remember_step, resolve_cache_dir
 from lightning_elastic.profiling.reuse import reusable_profile
 from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule

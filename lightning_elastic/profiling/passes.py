@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling.attribution import Structure
+from lightning_elastic.profiling.cache import cache_key
 from lightning_elastic.profiling.calibration import SEGMENTS, calibrate, calibration_knots, suffix_times
 from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
 from lightning_elastic.profiling.graph import (
@@ -24,7 +25,7 @@ from lightning_elastic.profiling.graph import (
     StepSignature,
     walk,
 )
-from lightning_elastic.profiling.profile import TimingMethod, cache_key
+from lightning_elastic.profiling.profile import TimingMethod
 from lightning_elastic.timing import DeviceClock
 
 __all__ = ["PHASES", "Progress", "Result", "Runner"]

@@ -12,14 +12,9 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_elastic.profiling.cache import device_name
 from lightning_elastic.profiling.harness import ProfileChoice, training_step
-from lightning_elastic.profiling.profile import (
-    StaleProfileError,
-    TimingProfile,
-    device_name,
-    load_given_profile,
-    mismatch,
-)
+from lightning_elastic.profiling.profile import StaleProfileError, TimingProfile, load_given_profile, mismatch
 from lightning_elastic.profiling.runner import fingerprint
 
 __all__ = ["reusable_profile", "stale_reason", "step_difference", "warn_if_other_step"]

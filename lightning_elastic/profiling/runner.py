@@ -14,16 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.profiling.cache import cache_file, cache_key, device_name, load_cached
 from lightning_elastic.profiling.passes import PHASES, Progress, Runner
-from lightning_elastic.profiling.profile import (
-    TimingMethod,
-    TimingProfile,
-    cache_file,
-    cache_key,
-    device_name,
-    load_cached,
-    store,
-)
+from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, store
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
 from lightning_elastic.timing import DeviceClock
 

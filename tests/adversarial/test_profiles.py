@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_elastic import ElasticTensorSelection, TimingProfile
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling import reuse
-from lightning_elastic.profiling.profile import device_name
+from lightning_elastic.profiling.cache import device_name
 from tests.integration.test_contract import PROFILE, VirtualDevice
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
 

@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_elastic import ElasticTensorSelection, planner, reporting, session, windows
 from lightning_elastic import callback as callback_module
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling.profile import cache_file, read_profile, store
+from lightning_elastic.profiling.cache import cache_file
+from lightning_elastic.profiling.profile import read_profile, store
 from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger

@@ -17,7 +17,8 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
-from lightning_elastic.profiling.profile import cache_file, mismatch, read_profile, remember_step, store
+from lightning_elastic.profiling.cache import cache_file, remember_step
+from lightning_elastic.profiling.profile import mismatch, read_profile, store
 from tests.unit.profiling.fakes import small
 
 
@@ -168,8 +169,7 @@ def test_a_cache_entry_that_cannot_keep_the_steady_step_is_left_as_it_is_with_a_
     def read_only(*args: Any) -> None:
         raise PermissionError(13, "Read-only file system")
 
-    # the module, not the package's `profile` function of the same name
-    monkeypatch.setattr(importlib.import_module("lightning_elastic.profiling.profile"), "store", read_only)
+    monkeypatch.setattr(importlib.import_module("lightning_elastic.profiling.cache"), "store", read_only)
     with pytest.warns(UserWarning, match=r"could not keep this fit's steady full step \(\[Errno 13\] Read-only"):
         remember_step(tmp_path, cached, 0.25)
     assert read_profile(path) == cached
