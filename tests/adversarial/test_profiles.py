@@ -174,6 +174,16 @@ class WarnedBeforeTraining(Callback):
             self.before = [str(w.message) for w in self.caught]
 
 
+def measured(model: type[TinyNet]) -> tuple[TinyNet, TimingProfile]:
+    """A seeded `model` and the profile a short fit measured of it."""
+    torch.manual_seed(0)
+    module = model()
+    measuring = profiling(speedup=1.05)
+    tiny_trainer(callbacks=[measuring], max_steps=2).fit(module, tiny_data())
+    assert measuring.timing_profile is not None
+    return module, measuring.timing_profile
+
+
 def fit_given(module: TinyNet, prof: TimingProfile) -> tuple[ElasticTensorSelection, list[str]]:
     """A fit of `module` given `prof`, and what it warned about its profile before the first batch (it warns of
     nothing else after)."""
@@ -191,12 +201,7 @@ def fit_given(module: TinyNet, prof: TimingProfile) -> tuple[ElasticTensorSelect
 def test_a_given_profile_of_another_step_over_the_same_parameters_is_said_before_training_and_used() -> None:
     """Same names and shapes, another graph (relu made tanh): the profile's times are another step's. Said before
     the first batch and used as given (the user asked for it). Before: used without a word."""
-    torch.manual_seed(0)
-    module = Activated()
-    measuring = profiling(speedup=1.05)
-    tiny_trainer(callbacks=[measuring], max_steps=2).fit(module, tiny_data())
-    prof = measuring.timing_profile
-    assert prof is not None
+    module, prof = measured(Activated)
     module.activation = torch.tanh
     callback, said = fit_given(module, prof)
     step = (
@@ -209,12 +214,7 @@ def test_a_given_profile_of_another_step_over_the_same_parameters_is_said_before
 
 @pytest.mark.usefixtures("ticking_profiler")
 def test_a_given_profile_of_this_step_is_used_without_a_word() -> None:
-    torch.manual_seed(0)
-    module = Activated()
-    measuring = profiling(speedup=1.05)
-    tiny_trainer(callbacks=[measuring], max_steps=2).fit(module, tiny_data())
-    prof = measuring.timing_profile
-    assert prof is not None
+    module, prof = measured(Activated)
     callback, said = fit_given(module, prof)
     assert said == []
     assert callback.timing_profile is prof
