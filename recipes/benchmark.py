@@ -84,12 +84,14 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     quiet_console()
     problems = benchmark_problems(cfg)
     methods = methods_of(cfg) if not problems else []
-    if not problems:
-        # The last method is an elastic one whenever any is asked for: building it checks the callback's settings.
-        try:
-            build(OmegaConf.create(run_config(cfg, methods[-1], int(cfg.benchmark.seeds[0]))))
-        except ConfigError as err:
-            problems += err.problems
+    # Building a run checks the data, the model and the callback's settings, whatever is wrong with the benchmark's
+    # own, so that every problem is said at once: the last method is an elastic one whenever any is asked for, and a
+    # stand-in elastic run at 2x (seed 0) checks them when the benchmark's settings do not say what to run.
+    check, seed = (methods[-1], int(cfg.benchmark.seeds[0])) if methods else (Method("check", "elastic", 2.0), 0)
+    try:
+        build(OmegaConf.create(run_config(cfg, check, seed)))
+    except ConfigError as err:
+        problems += err.problems
     if problems:
         raise ConfigError(problems)
     code = code_provenance()  # the spawned runs import what this process imported

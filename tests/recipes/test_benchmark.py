@@ -288,6 +288,7 @@ def test_a_run_ends_with_the_benchmark_process_that_started_it(tmp_path: Path) -
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_stopped_benchmark_ends_its_run_and_reports_the_runs_that_finished(tmp_path: Path) -> None:
     """SIGTERM once the first run has finished: the run under way ends, and results.md reports the finished ones."""
     fake_fashion_mnist(tmp_path / "fmnist", train=240, test=48)
@@ -370,6 +371,23 @@ def test_a_bad_benchmark_value_on_the_command_line_ends_it_with_its_message_befo
     assert "[benchmark]" not in result.stdout  # not even the code line printed once the config is checked
     run = tmp_path / "run"
     assert not any((run / name).exists() for name in ("runs", "results.md", "results.csv", "runs.json", "profiles"))
+
+
+def test_a_bad_benchmark_value_and_missing_data_are_said_at_once(tmp_path: Path) -> None:
+    """The data, model and callback are checked even when the benchmark's own settings are wrong: both problems in
+    one message. Before, the data's problem came only once the misspelt baseline was mended."""
+    result = run_recipe(
+        "benchmark.py",
+        "benchmark=tiny",
+        "dataset=fashion_mnist",
+        f"dataset.root={tmp_path / 'nowhere'}",
+        "benchmark.baselines=[full,head_onyl]",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    lines = config_error_lines(result)
+    assert lines[0] == "The configuration has 2 problems; nothing was run:"
+    assert lines[1].startswith("  - benchmark: `baselines` must be distinct names among")
+    assert lines[2].startswith(f"  - dataset: Fashion-MNIST is not in {tmp_path / 'nowhere'}:")
 
 
 def test_method_names_say_the_speedup() -> None:
