@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.cache import device_name
 from lightning_elastic.profiling.harness import ProfileChoice, training_step
 from lightning_elastic.profiling.profile import StaleProfileError, TimingProfile, load_given_profile, mismatch
@@ -32,12 +33,19 @@ def reusable_profile(
     None (the fit measures one, or reads it from the cache).
 
     The given profile is used as given; a fit whose training step is not the one it was taken of says so, before
-    training (`warn_if_other_step`). The last fit's analytic profile is not this fit's when `choice` pays for a
-    measured one (a short "auto" fit, then a long one); a measured one serves any choice. A checkpoint's profile is
-    kept whichever method took it: the resumed fit goes on with the plan it made with it.
+    training (`warn_if_other_step`), and one taken on another kind of device is refused (`ElasticConfigError`). The
+    last fit's analytic profile is not this fit's when `choice` pays for a measured one (a short "auto" fit, then a
+    long one); a measured one serves any choice. A checkpoint's profile is kept whichever method took it: the resumed
+    fit goes on with the plan it made with it.
     """
     loaded = load_given_profile(given)
     if loaded is not None:
+        kind = pl_module.device.type
+        if not loaded.device.startswith(kind):  # a GPU's per-tensor costs say nothing of a CPU's, nor the reverse
+            raise ElasticConfigError(
+                f"`profile` must be taken on the kind of device this fit trains on ({kind}): profile the model on "
+                f"it, or leave `profile` unset and the fit profiles it. Found: a profile taken on {loaded.device}"
+            )
         if mismatch(loaded, pl_module) is None:  # else refused as the fit binds its tensors (`profiled_parameters`)
             warn_if_other_step(trainer, pl_module, loaded)
         return loaded
