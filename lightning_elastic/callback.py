@@ -47,7 +47,7 @@ from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
-from lightning_elastic.startup import check_supported, fit_schedule
+from lightning_elastic.startup import check_supported, fit_schedule, step_profile
 from lightning_elastic.summary import FitSummary, fit_summary
 
 STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
@@ -243,7 +243,7 @@ class ElasticTensorSelection(Callback):
         schedule, total_steps = self._schedule
         assert schedule is not None
         self._profile = prof
-        step = prof.scaled(trainer.accumulate_grad_batches)  # an optimizer step runs the pass on every micro-batch
+        step = step_profile(trainer, prof)  # an optimizer step runs the pass on every micro-batch
         plan = WallClockPlan(self._speedup, total_steps, full_step=step.t_full)
         fit = FitSession.start(pl_module, step, schedule, plan, self._train_always, self._bn_policy, self._clock)
         self._fit = fit
@@ -320,9 +320,10 @@ class ElasticTensorSelection(Callback):
             if fit.runs_on(trainer, step):
                 return
             measured, end = fit.plan.full_samples, fit.close_probe()  # the first window to measure `T` remembers it
-            if not (measured or fit.warmup.cold) and fit.plan.full_samples and trainer.is_global_zero and self._profile:
+            one_pass = trainer.accumulate_grad_batches == 1  # `t_step` is a step of one micro-batch (`step_profile`)
+            if not (measured or fit.warmup.cold) and fit.plan.full_samples and trainer.is_global_zero and one_pass:
                 started = self._clock()  # `T`, for a later process to warm up to (a cold one's may be unsettled)
-                remember_step(resolve_cache_dir(self._cache_dir), self._profile, fit.plan.full_step)
+                remember_step(resolve_cache_dir(self._cache_dir), fit.profile, fit.plan.full_step)
                 fit.charge_start(self._clock() - started)
             if fit.schedule.selects_at_epoch_start(end):
                 fit.pending_selection = True

@@ -161,9 +161,9 @@ def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Itera
     frozen part of the network is a fixed function (and its forward pass is a little cheaper). Under "update"
     (PyTorch's default), BatchNorm layers follow the model's train/eval mode whatever their tensors do.
     Returns the names of the layers it holds in eval mode: those it switches now (from train mode) and those of
-    `previously_frozen` that still qualify. Layers of `previously_frozen` that no longer qualify go back to train
-    mode, the mode they had when it switched them; no other layer's mode is touched, so a layer the user left in
-    eval mode stays there.
+    `previously_frozen` that still qualify. Layers of `previously_frozen` that no longer qualify go back to the model's
+    mode (train mode, the mode they had when it switched them, during training); no other layer's mode is touched, so
+    a layer the user left in eval mode stays there.
 
     Example:
         >>> bn = nn.BatchNorm1d(3)
@@ -184,7 +184,7 @@ def apply_bn_policy(model: nn.Module, policy: BnPolicy, previously_frozen: Itera
             module.eval()
             frozen.append(name)
         elif name in previously:
-            module.train()
+            module.train(model.training)  # train mode, but when the fit ends inside a validation (eval everywhere)
     return frozen
 
 

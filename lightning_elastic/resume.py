@@ -31,7 +31,6 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "latest": list(fit.latest),
         "history": [r.to_dict() for r in fit.history],
         "totals": dict(fit.totals),
-        "bn_frozen": list(fit.bn_frozen),
         "plan": fit.plan.state_dict(),
         "selected_steps": list(fit.selected_steps),
         "probe_optimizer": list(fit.probe_optimizer),
@@ -70,7 +69,8 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
         fit.latest = [float(v) for v in latest]
     fit.history = [SelectionRecord.from_dict(r) for r in state.get("history", [])]
     fit.totals.update(state.get("totals", {}))
-    fit.bn_frozen = list(state.get("bn_frozen", []))
+    # No BatchNorm layer is restored as switched (`bn_frozen`, which older checkpoints hold): modes are not in a
+    # checkpoint, so this process's layers are as the user built them, and the policy is applied from those modes.
     fit.selected_steps = [float(s) for s in state.get("selected_steps", [])]
     fit.probe_optimizer = [float(s) for s in state.get("probe_optimizer", [])]
     fit.warmup.updates = [float(s) for s in state.get("warm_optimizer", [])]

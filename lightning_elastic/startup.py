@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 import lightning as L
@@ -112,6 +113,21 @@ def fit_schedule(
     return schedule, total
 
 
+def accumulation(trainer: L.Trainer, epoch: int) -> int:
+    """The micro-batches of an optimizer step in `epoch`: a `GradientAccumulationScheduler`'s (which sets the Trainer's
+    only as each epoch starts, after `on_train_start`), else the Trainer's `accumulate_grad_batches`."""
+    callbacks = getattr(trainer, "callbacks", ())  # set by the Trainer; not in its type stubs
+    scheduler = next((c for c in callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    return int(scheduler.get_accumulate_grad_batches(epoch)) if scheduler else int(trainer.accumulate_grad_batches)
+
+
+def step_profile(trainer: L.Trainer, prof: TimingProfile) -> TimingProfile:
+    """`prof` (one pass) as the profile of one optimizer step of the epoch under way: the pass once a micro-batch.
+    With more than one, `t_step` (a step of one micro-batch, remembered by an earlier fit) is no reference: 0."""
+    k = accumulation(trainer, trainer.current_epoch)
+    return prof if k == 1 else replace(prof.scaled(k), t_step=0.0)
+
+
 def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | None]:
     """Optimizer steps of each epoch (the last repeating; `math.inf` when unknown) and of the fit (None: unknown).
 
@@ -128,7 +144,7 @@ def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | No
     scheduler = next((c for c in callbacks if isinstance(c, GradientAccumulationScheduler)), None)
     swa = next((c for c in callbacks if isinstance(c, StochasticWeightAveraging)), None)
     if scheduler is None:
-        lengths: tuple[int, ...] = (math.ceil(batches / trainer.accumulate_grad_batches),)
+        lengths: tuple[int, ...] = (math.ceil(batches / accumulation(trainer, 0)),)
     else:
         lengths = tuple(
             math.ceil(batches / scheduler.get_accumulate_grad_batches(e)) for e in range(max(scheduler.epochs) + 1)

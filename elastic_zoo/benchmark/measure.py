@@ -42,7 +42,10 @@ def run_isolated(config: dict[str, Any], method: Method, path: Path) -> dict[str
         process.join()
     except BaseException:  # the benchmark is stopping: the run under way ends with it, before the report is written
         process.terminate()
-        process.join()
+        process.join(timeout=30)
+        if process.is_alive():  # it did not end on SIGTERM
+            process.kill()
+            process.join()
         raise
     result: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     if process.exitcode != 0 and "error" not in result:

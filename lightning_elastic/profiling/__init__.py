@@ -29,12 +29,12 @@ How ``profile(method="measured")`` measures, on the device the model is on:
 ``method="flops"`` replaces the hooks with an analytic count of each op's backward work (see
 `lightning_elastic.profiling.flops`), scaled so that the full step matches one plain measured step.
 
-Modules: `profile` (the `TimingProfile` type and its one JSON reader/writer), `runner` (`profile` itself: its
-arguments, the cache, the model left as found), `passes` (the passes of one profile and the two methods that
-combine them), `graph` (recording and walking the autograd graph), `attribution` (node times to tensors, aligning graphs
-that differ), `calibration` (against plain timings), `flops` (analytic op costs), `state` (what profiling must
-leave as it found), `harness` (the first training batch to the loss, as Lightning's own step computes it), `reuse`
-(which profile a fit can use without measuring).
+Modules: `profile` (the `TimingProfile` type and its one JSON reader/writer), `cache` (the per-user cache: where, its
+key, its entries), `runner` (`profile` itself: its arguments, the model left as found), `passes` (the passes of one
+profile and the two methods that combine them), `graph` (recording and walking the autograd graph), `attribution` (node
+times to tensors, aligning graphs that differ), `calibration` (against plain timings), `flops` (analytic op costs),
+`state` (what profiling must leave as it found), `harness` (the first training batch to the loss, as Lightning's own
+step computes it), `reuse` (which profile a fit can use without measuring).
 """
 
 from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile

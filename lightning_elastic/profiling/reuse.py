@@ -18,7 +18,7 @@ from lightning_elastic.profiling.harness import ProfileChoice, training_step
 from lightning_elastic.profiling.profile import StaleProfileError, TimingProfile, load_given_profile, mismatch
 from lightning_elastic.profiling.runner import fingerprint
 
-__all__ = ["reusable_profile", "stale_reason", "step_difference", "warn_if_other_step"]
+__all__ = ["other_device_kind", "reusable_profile", "stale_reason", "step_difference", "warn_if_other_step"]
 
 
 def reusable_profile(
@@ -40,11 +40,11 @@ def reusable_profile(
     """
     loaded = load_given_profile(given)
     if loaded is not None:
-        kind = pl_module.device.type
-        if not loaded.device.startswith(kind):  # a GPU's per-tensor costs say nothing of a CPU's, nor the reverse
+        if other_device_kind(loaded, pl_module) is not None:
             raise ElasticConfigError(
-                f"`profile` must be taken on the kind of device this fit trains on ({kind}): profile the model on "
-                f"it, or leave `profile` unset and the fit profiles it. Found: a profile taken on {loaded.device}"
+                f"`profile` must be taken on the kind of device this fit trains on ({pl_module.device.type}): profile "
+                f"the model on it, or leave `profile` unset and the fit profiles it. Found: a profile taken on "
+                f"{loaded.device}"
             )
         if mismatch(loaded, pl_module) is None:  # else refused as the fit binds its tensors (`profiled_parameters`)
             warn_if_other_step(trainer, pl_module, loaded)
@@ -108,11 +108,19 @@ def stale_reason(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingP
     another input shape) costs differently. Rank zero's answer holds on every rank.
     """
     reason = mismatch(prof, pl_module)
-    if reason is None and not prof.device.startswith(pl_module.device.type):
-        reason = f"taken on {prof.device}, training runs on {pl_module.device.type}"
+    if reason is None:
+        reason = other_device_kind(prof, pl_module)
     if reason is None:
         reason = step_difference(trainer, pl_module, prof)
     return _rank_zero(trainer, reason)
+
+
+def other_device_kind(prof: TimingProfile, pl_module: L.LightningModule) -> str | None:
+    """Why ``prof`` was taken on another kind of device than ``pl_module`` trains on (a GPU's per-tensor costs say
+    nothing of a CPU's, nor the reverse), or None."""
+    if prof.device.startswith(pl_module.device.type):
+        return None
+    return f"taken on {prof.device}, training runs on {pl_module.device.type}"
 
 
 def step_difference(trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile) -> str | None:

@@ -91,6 +91,23 @@ def test_a_fit_resumed_mid_epoch_sets_the_batchnorm_modes_of_the_selection_in_fo
     assert resumed.by_step[6] == modes.by_step[6] == (True, True)  # the probe window trains it, in train mode
 
 
+def test_a_resumed_fit_leaves_a_batchnorm_layer_the_user_put_in_eval_mode_there(tmp_path: Path) -> None:
+    """The checkpoint's process switched the BatchNorm layer (it was in train mode there); the resumed process's user
+    put it in eval mode. Modes are not in a checkpoint: the layer stays in eval at every step and after the fit.
+    Before, the checkpoint's list of switched layers came back with it, and the next window put the layer in train."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit([elastic(interval=8, bn_policy="freeze"), checkpoint, Crash(at_step=7)], max_steps=16, enable_checkpointing=True)
+    module = TinyNet()
+    module.net[1].eval()
+    resumed = BatchNormModes()
+    tiny_trainer(callbacks=[elastic(interval=8, bn_policy="freeze"), resumed], max_steps=16).fit(
+        module, tiny_data(), ckpt_path=next(tmp_path.glob("*step=5.ckpt"))
+    )
+    assert {trains for _, trains in resumed.by_step.values()} == {False, True}  # frozen, then trained by a window
+    assert all(not mode for mode, _ in resumed.by_step.values()) and not module.net[1].training
+
+
 class PlanAtStart(Callback):
     """The elastic callback's plan as the first resumed step starts."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,12 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, Callback, GradientAccumulationScheduler, ModelCheckpoint
 from torch import nn
 
 from lightning_elastic import ElasticTensorSelection
 from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.startup import step_profile
 from tests.integration.tiny import Crash, TinyNet, synthetic_profile, tiny_data, tiny_trainer
 
 PROFILE = synthetic_profile(TinyNet())
@@ -144,10 +146,22 @@ def test_a_cache_dir_that_is_a_file_is_refused_before_profiling(tmp_path: Path) 
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))
 
 
+def test_a_gradient_accumulation_schedule_plans_its_first_epoch_with_its_own_count() -> None:
+    """The scheduler sets the Trainer's count only as each epoch starts, after `on_train_start`, where a fit given a
+    profile begins: the step's profile is still the pass times the scheduler's count for epoch 0 (4), and `t_step`,
+    a step of one micro-batch, is no reference for it. Before: planned as one micro-batch a step."""
+    given = replace(PROFILE, t_step=0.01)
+    callback = elastic(profile=given, probe_steps=1)  # epoch 0 has 2 optimizer steps of 4 micro-batches
+    scheduler = GradientAccumulationScheduler(scheduling={0: 4, 1: 1})
+    tiny_trainer(callbacks=[callback, scheduler], max_epochs=1).fit(TinyNet(), tiny_data())
+    assert callback._fit is not None
+    assert callback._fit.profile.t_full == pytest.approx(4 * PROFILE.t_full) and callback._fit.profile.t_step == 0.0
+    assert step_profile(tiny_trainer(), given) is given  # one micro-batch a step: the pass itself, `t_step` kept
+
+
 def test_a_gradient_accumulation_schedule_keeps_selecting_every_epoch() -> None:
     """Epoch 0 steps every batch (8 steps), later epochs every 2 batches (4 steps): a selection as every epoch starts,
     each after a probe window of the epoch before, and every micro-batch of a step trains the same tensors."""
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     callback, masks = elastic(), MicroBatchMasks()
     tiny_trainer(callbacks=[callback, GradientAccumulationScheduler({1: 2}), masks], max_epochs=4).fit(
