@@ -45,12 +45,15 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
     account when the checkpoint's fit profiled another set of tensors (said: its per-tensor state cannot apply)."""
     if not state:
         return
-    if len(saved := state.get("latest") or fit.params) != len(fit.params):
+    saved = len(state.get("latest") or fit.params)
+    named = tuple((state.get("profile") or {}).get("names") or fit.names)  # a profile measured again may differ
+    if saved != len(fit.params) or named != fit.names:
         rank_zero_warn(
-            f"ElasticTensorSelection: the checkpoint's fit selected among {len(saved)} tensors, this fit among "
-            f"{len(fit.params)} (`train_never`, `train_always` or the tensors frozen before the fit changed): its "
-            "importance, selection and history are not resumed; its wall-clock account is. Every tensor trains "
-            "until the next selection, which uses the importance measured from here."
+            f"ElasticTensorSelection: the checkpoint's fit selected among {saved} tensors, this fit among "
+            f"{len(fit.params)}{', named or ordered otherwise' if saved == len(fit.params) else ''} (`train_never`, "
+            "`train_always`, the tensors frozen before the fit or the model changed): its importance, selection and "
+            "history are not resumed; its wall-clock account is. Every tensor trains until the next selection, "
+            "which uses the importance measured from here."
         )
         state = {k: v for k, v in state.items() if k in ("totals", "plan")}
     mask = state.get("mask")

@@ -469,6 +469,35 @@ def test_a_batchnorm_layer_the_user_left_in_eval_mode_stays_there() -> None:
     assert not module.net[1].training and all(m.training for n, m in module.named_modules() if n != "net.1")
 
 
+def older_checkpoint(tmp_path: Path, settings: dict[str, Any], reorder: bool = False) -> tuple[Path, dict[str, Any]]:
+    """A 10-step fit's checkpoint with its profile rewritten in format 1 (no `shapes`), its tensors listed in reverse
+    order when `reorder`; and the callback's state in it."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
+    first = ElasticTensorSelection(**settings)
+    tiny_trainer(callbacks=[first, checkpoint], max_steps=10, enable_checkpointing=True).fit(TinyNet(), tiny_data())
+    ckpt = next(tmp_path.glob("*step=10.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)
+    state = next(v for k, v in saved["callbacks"].items() if "ElasticTensorSelection" in k)
+    state["profile"] = {k: v for k, v in state["profile"].items() if k != "shapes"} | {"version": 1}
+    if reorder:
+        state["profile"]["names"] = state["profile"]["names"][::-1]
+    torch.save(saved, ckpt)
+    return ckpt, state
+
+
+@pytest.mark.usefixtures("ticking_profiler")  # profiled for real, at 1.001
+def test_a_checkpoint_whose_profile_listed_its_tensors_otherwise_resumes_its_account_only(tmp_path: Path) -> None:
+    """The checkpoint's profile is measured again (format 1); its tensors were listed in another order than the new
+    profile's, so its mask and importance (in that order) cannot apply: said, and left out. Before: restored by count,
+    each flag on another tensor."""
+    settings: dict[str, Any] = dict(speedup=1.001, probe_steps=2, interval=1, calibrate=False, cache_dir=False)
+    ckpt, _ = older_checkpoint(tmp_path, settings, reorder=True)
+    resumed, recorder = ElasticTensorSelection(**settings), Recorder()
+    with pytest.warns(UserWarning, match=r"selected among 10 tensors, this fit among 10, named or ordered otherwise"):
+        tiny_trainer(callbacks=[resumed, recorder], max_steps=16).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
+    assert all(recorder.trainable[0])  # no selection of the old fit: every tensor trains until the next one
+
+
 @pytest.mark.usefixtures("ticking_profiler")  # profiled for real, at 1.001
 def test_a_checkpoint_whose_profile_is_in_an_older_format_is_resumed_with_a_new_profile(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -477,15 +506,7 @@ def test_a_checkpoint_whose_profile_is_in_an_older_format_is_resumed_with_a_new_
     version cannot read: the resumed fit says so and profiles again, and keeps the checkpoint's selection (reading it
     raises `StaleProfileError`, which would leave no fit able to resume from a checkpoint of an earlier version)."""
     settings: dict[str, Any] = dict(speedup=1.001, probe_steps=2, interval=1, calibrate=False, cache_dir=False)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
-    first = ElasticTensorSelection(**settings)
-    tiny_trainer(callbacks=[first, checkpoint], max_steps=10, enable_checkpointing=True).fit(TinyNet(), tiny_data())
-    ckpt = next(tmp_path.glob("*step=10.ckpt"))
-    saved = torch.load(ckpt, weights_only=False)
-    state = next(v for k, v in saved["callbacks"].items() if "ElasticTensorSelection" in k)
-    state["profile"] = {k: v for k, v in state["profile"].items() if k != "shapes"} | {"version": 1}
-    torch.save(saved, ckpt)
-
+    ckpt, state = older_checkpoint(tmp_path, settings)
     resumed, recorder = ElasticTensorSelection(**settings), Recorder()
     with caplog.at_level(logging.INFO):
         tiny_trainer(callbacks=[resumed, recorder], max_steps=16).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
