@@ -36,7 +36,7 @@ from lightning_elastic import reporting, resume
 from lightning_elastic.arguments import PositiveInt, Speedup, constructor_problems
 from lightning_elastic.distributed import install_selective_allreduce
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import BnPolicy, UserState, apply_bn_policy, freeze_never
+from lightning_elastic.freezing import BnPolicy, UserState, freeze_never
 from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimeModel, TimingProfile
@@ -211,7 +211,7 @@ class ElasticTensorSelection(Callback):
         # A fit resumed mid-epoch (where `every_n_train_steps` checkpoints are) gets no `on_train_epoch_start` before
         # its first step: its step is timed, and the restored selection's BatchNorm modes are set, from here.
         fit.step_timer.start()
-        fit.bn_frozen = apply_bn_policy(pl_module, self._bn_policy, fit.bn_frozen)
+        fit.hold_bn(pl_module)
 
     def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:
         """The first step ran its forward and backward pass: profile on its batch, then begin before its update."""
@@ -274,7 +274,7 @@ class ElasticTensorSelection(Callback):
             self._select_and_apply(trainer, pl_module)
         elif fit.schedule.opens_at_epoch_start(trainer.current_epoch) and fit.probe_end is None:
             fit.open_probe(trainer, step + fit.schedule.probe_steps)
-        fit.bn_frozen = apply_bn_policy(pl_module, self._bn_policy, fit.bn_frozen)
+        fit.hold_bn(pl_module)
 
     @override
     def on_train_batch_start(

@@ -178,7 +178,7 @@ class FitSession:
         self.probe_end = end
         self.probe_full, self.probe_optimizer = [], []
         self.set_trainable([not f for f in self.forbidden])
-        self.bn_frozen = apply_bn_policy(trainer.lightning_module, self.bn_policy, self.bn_frozen)
+        self.hold_bn(trainer.lightning_module)
 
     def set_trainable(self, mask: Sequence[bool]) -> None:
         """Set `requires_grad` to `mask`; if that changes the trainable set of a compiled model (or dynamo compiled
@@ -385,9 +385,13 @@ class FitSession:
         """Train the tensors of `mask`: their flags, the BatchNorm policy, and this fit's compiled graphs if the set
         changed (`freezing.CompiledCodes`: only the codes the fit's steps compiled, never dynamo as a whole)."""
         self.set_trainable(mask)
-        self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
+        self.hold_bn(pl_module)
         if self.warming:
             self.compiled_codes.reset()
+
+    def hold_bn(self, pl_module: nn.Module) -> None:
+        """The BatchNorm policy for the tensors trainable now (`freezing.apply_bn_policy`), from the layers' modes."""
+        self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
 
     def enter(self, record: SelectionRecord, select_seconds: float, apply_seconds: float) -> None:
         """Keep the selection now in force, and charge its own seconds to the plan (not to the next step)."""
