@@ -59,7 +59,6 @@ class FitSession:
 
     schedule: Schedule
     profile: TimingProfile  # of one optimizer step: the profiled pass once a micro-batch (`start`)
-    names: tuple[str, ...]
     params: list[nn.Parameter]
     required: Mask
     forbidden: Mask
@@ -117,7 +116,6 @@ class FitSession:
         return cls(
             schedule=schedule,
             profile=prof,
-            names=prof.names,
             params=params,
             required=required,
             forbidden=forbidden,
@@ -132,6 +130,11 @@ class FitSession:
             warmup=FirstWindow(warm_step=prof.t_step),
             outside=outside,
         )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The profiled tensors' names, in the order of `params`."""
+        return self.profile.names
 
     def reach(self, profile_seconds: float, calibrate: bool) -> Reach:
         """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`). A first window

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 import lightning as L
 import torch
@@ -25,6 +25,8 @@ from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
+
+C = TypeVar("C", bound=Callback)
 
 
 def check_supported(trainer: L.Trainer, pl_module: L.LightningModule, kind: type[Callback]) -> None:
@@ -116,9 +118,14 @@ def fit_schedule(
 def accumulation(trainer: L.Trainer, epoch: int) -> int:
     """The micro-batches of an optimizer step in `epoch`: a `GradientAccumulationScheduler`'s (which sets the Trainer's
     only as each epoch starts, after `on_train_start`), else the Trainer's `accumulate_grad_batches`."""
-    callbacks = getattr(trainer, "callbacks", ())  # set by the Trainer; not in its type stubs
-    scheduler = next((c for c in callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    scheduler = _callback(trainer, GradientAccumulationScheduler)
     return int(scheduler.get_accumulate_grad_batches(epoch)) if scheduler else int(trainer.accumulate_grad_batches)
+
+
+def _callback(trainer: L.Trainer, kind: type[C]) -> C | None:
+    """The Trainer's first callback of `kind`, or None."""
+    callbacks = getattr(trainer, "callbacks", ())  # set by the Trainer; not in its type stubs
+    return next((c for c in callbacks if isinstance(c, kind)), None)
 
 
 def step_profile(trainer: L.Trainer, prof: TimingProfile) -> TimingProfile:
@@ -140,11 +147,10 @@ def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | No
     total = int(estimated) if math.isfinite(estimated) else None
     if not math.isfinite(batches):
         return math.inf, total
-    callbacks = getattr(trainer, "callbacks", ())  # set by the Trainer; not in its type stubs
-    scheduler = next((c for c in callbacks if isinstance(c, GradientAccumulationScheduler)), None)
-    swa = next((c for c in callbacks if isinstance(c, StochasticWeightAveraging)), None)
+    scheduler = _callback(trainer, GradientAccumulationScheduler)
+    swa = _callback(trainer, StochasticWeightAveraging)
     if scheduler is None:
-        lengths: tuple[int, ...] = (math.ceil(batches / accumulation(trainer, 0)),)
+        lengths: tuple[int, ...] = (math.ceil(batches / trainer.accumulate_grad_batches),)
     else:
         lengths = tuple(
             math.ceil(batches / scheduler.get_accumulate_grad_batches(e)) for e in range(max(scheduler.epochs) + 1)
