@@ -85,9 +85,12 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     problems = benchmark_problems(cfg)
     methods = methods_of(cfg) if not problems else []
     # Building a run checks the data, the model and the callback's settings, whatever is wrong with the benchmark's
-    # own, so that every problem is said at once: the last method is an elastic one whenever any is asked for, and a
-    # stand-in elastic run at 2x (seed 0) checks them when the benchmark's settings do not say what to run.
-    check, seed = (methods[-1], int(cfg.benchmark.seeds[0])) if methods else (Method("check", "elastic", 2.0), 0)
+    # own, so that every problem is said at once: with the last elastic method whenever any is asked for (else the
+    # last method), and a stand-in elastic run at 2x (seed 0) when the benchmark's settings do not say what to run.
+    check, seed = Method("check", "elastic", 2.0), 0
+    if methods:
+        elastic = [m for m in methods if m.kind == "elastic"]
+        check, seed = (elastic or methods)[-1], int(cfg.benchmark.seeds[0])
     try:
         build(OmegaConf.create(run_config(cfg, check, seed)))
     except ConfigError as err:

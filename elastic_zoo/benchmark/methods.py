@@ -20,6 +20,8 @@ from elastic_zoo.method import BackboneFinetuning, LinearFreeze, StaticLastK
 from elastic_zoo.recipe import CONF_DIR
 
 BASELINES: tuple[str, ...] = ("full", "head_only", "bitfit", "static_last_k", "backbone_finetuning", "linear_freeze")
+# With `benchmark.full_again`, full fine-tuning runs a second time after each seed's other runs (see `methods_of`).
+FULL_AGAIN = "full_again"
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Method:
 
 
 def methods_of(cfg: DictConfig) -> list[Method]:
-    """The methods `cfg.benchmark` asks for, baselines first.
+    """The methods `cfg.benchmark` asks for, baselines first, then the elastic runs (and `full_again` last).
 
     Example:
         >>> methods_of(OmegaConf.create({"benchmark": {"baselines": ["full"], "elastic_speedups": [2]}}))
@@ -54,6 +56,8 @@ speedup=2.0, cached=False)]
     methods += [Method(f"elastic_{float(s):g}x", "elastic", float(s)) for s in bench.elastic_speedups]
     cached = [float(s) for s in bench.get("elastic_cached_speedups", [])]
     methods += [Method(f"elastic_{s:g}x_cached", "elastic", s, cached=True) for s in cached]
+    if bench.get("full_again", False):  # the same fit as `full`, last: the machine's drift between the seed's runs
+        methods.append(Method(FULL_AGAIN, "full"))
     return methods
 
 
@@ -86,6 +90,13 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
         )
     if not bench.baselines and not speedups:
         problems.append("`baselines` and `elastic_speedups` must name at least one method. Found: none")
+    full_again = bench.get("full_again", False)
+    if not isinstance(full_again, bool) or (full_again and "full" not in bench.baselines):
+        problems.append(
+            "`full_again` must be true or false, and true only with `full` among `baselines` (it runs full "
+            f"fine-tuning again after each seed's other runs). Found: {full_again!r} with baselines "
+            f"{list(bench.baselines)}"
+        )
     if not (_is_number(bench.reference_speedup) and bench.reference_speedup > 1):
         problems.append(f"`reference_speedup` must be a number > 1. Found: {bench.reference_speedup!r}")
     # The benchmark's settings of the baselines, checked by the methods they are handed to.

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from elastic_zoo.benchmark.methods import FULL_AGAIN
 from elastic_zoo.benchmark.provenance import CodeProvenance
 from elastic_zoo.benchmark.readout import LABELS, MEANINGS, Metric, read_out
 from elastic_zoo.recipe import chosen_option
@@ -40,7 +41,7 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric =
     Accuracies, and the time to reach `fraction` of full's best, are of `metric` (see `readout`).
     """
     runs = read_out(runs, metric)
-    full = {r["seed"]: r for r in runs if r["kind"] == "full"}
+    full = full_references(runs)
     rows = []
     for r in runs:
         reference = full.get(r["seed"])
@@ -54,8 +55,7 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric =
                 "speedup_vs_full": reference["wall_seconds"] / r["wall_seconds"] if reference else math.nan,
                 # The contract's figure: the training part of the fit (validation left out) against full's.
                 "train_speedup_vs_full": (
-                    (reference["wall_seconds"] - reference["validation_seconds"])
-                    / (r["wall_seconds"] - r["validation_seconds"])
+                    reference["train_seconds"] / (r["wall_seconds"] - r["validation_seconds"])
                     if reference
                     else math.nan
                 ),
@@ -104,6 +104,33 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric =
             }
         )
     return rows
+
+
+def full_references(runs: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per seed, what every run of that seed is compared with: the first full fine-tuning run's accuracy and curve,
+    and the mean of the seed's full fine-tuning runs' times (two with `benchmark.full_again`: one before the seed's
+    other runs and one after them, so that the machine's drift between runs is measured and evened out).
+
+    Example:
+        >>> runs = [{"seed": 0, "kind": "full", "wall_seconds": w, "validation_seconds": 1.0,
+        ...          "mean_step_seconds": w / 10, "best_accuracy": a} for w, a in ((41.0, 0.9), (51.0, 0.8))]
+        >>> ref = full_references(runs)[0]
+        >>> ref["wall_seconds"], ref["train_seconds"], ref["mean_step_seconds"], ref["best_accuracy"]
+        (46.0, 45.0, 4.6, 0.9)
+    """
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for r in runs:
+        if r["kind"] == "full":
+            grouped.setdefault(r["seed"], []).append(r)
+    return {
+        seed: {
+            **group[0],
+            "wall_seconds": statistics.fmean(r["wall_seconds"] for r in group),
+            "train_seconds": statistics.fmean(r["wall_seconds"] - r["validation_seconds"] for r in group),
+            "mean_step_seconds": statistics.fmean(r["mean_step_seconds"] for r in group),
+        }
+        for seed, group in grouped.items()
+    }
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -265,6 +292,7 @@ def targets(cfg: DictConfig, grouped: dict[str, list[dict[str, Any]]]) -> list[s
         "## The wall-clock contract (every elastic run: its training time against full fine-tuning's, same seed)",
         "",
         *(contract_line(name, group) for name, group in grouped.items() if name.startswith("elastic")),
+        *drift_lines(grouped),
         "",
         f"## Targets ({reference} against the others, mean over seeds)",
         "",
@@ -298,6 +326,21 @@ def contract_line(name: str, group: Sequence[dict[str, Any]]) -> str:
     asked = float(group[0]["asked_speedup"])
     kept = mean_spread(got)[0] >= 0.95 * asked
     return f"- {name}: asked {asked:g}x, got {cell(got, digits=2)}x: {'met' if kept else '**missed**'}"
+
+
+def drift_lines(grouped: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """With `benchmark.full_again`: how much the same full fine-tuning run's training time moved between its two runs
+    of each seed, the resolution of every speedup above (they are against the mean of the two); else nothing."""
+    if FULL_AGAIN not in grouped or "full" not in grouped:
+        return []
+    first = {r["seed"]: float(r["train_s"]) for r in grouped["full"]}
+    ratios = [float(r["train_s"]) / first[r["seed"]] for r in grouped[FULL_AGAIN] if r["seed"] in first]
+    seeds = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+    return [
+        f"- full fine-tuning, run again after each seed's other runs: its training time against the first run's "
+        f"{seeds} ({cell(ratios, digits=2)}): the machine's own drift between two runs of the same fit; the speedups "
+        "above are against the mean of the two, and a seed's figure within this drift of the asked one is a tie"
+    ]
 
 
 def failures(failed: Sequence[dict[str, Any]]) -> str:

@@ -50,12 +50,13 @@ def test_every_preset_composes_into_runs_that_differ_only_in_method_and_seed(
     assert benchmark_problems(cfg) == []
     methods = methods_of(cfg)
     assert [m.kind for m in methods][: len(cfg.benchmark.baselines)] == list(cfg.benchmark.baselines)
+    last = [m for m in methods if m.kind == "elastic"][-1]
     full = run_config(cfg, methods[0], 7)
-    elastic = run_config(cfg, methods[-1], 7)
+    elastic = run_config(cfg, last, 7)
     assert full["seed"] == elastic["seed"] == full["dataset"]["seed"] == 7
-    assert full["elastic"]["_target_"] is None and elastic["elastic"]["speedup"] == methods[-1].speedup
+    assert full["elastic"]["_target_"] is None and elastic["elastic"]["speedup"] == last.speedup
     # every elastic run profiles into a folder of its own (empty: a first run), inside its measured wall clock
-    assert elastic["elastic"]["cache_dir"] == str(tmp_path / "profiles" / f"{methods[-1].profile_folder}_seed_7")
+    assert elastic["elastic"]["cache_dir"] == str(tmp_path / "profiles" / f"{last.profile_folder}_seed_7")
     assert (full["logger"]["name"], full["logger"]["version"]) == (methods[0].name, "seed_7")
     assert full["paths"]["output_dir"] == str(tmp_path)
     same = {k for k in full if full[k] == elastic[k]}
@@ -147,6 +148,44 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     unmeasured = [dict(r, step_fraction=math.nan) if r["method"] == "elastic_2x" else r for r in rows]
     report = markdown_report(cfg, unmeasured, 60.0, CODE)
     assert "same run: not checked (no run measured a steady full step) (against the full fine-tuning run's" in report
+
+
+def test_full_fine_tuning_run_again_is_the_last_run_of_each_seed_and_the_contract_is_against_both(
+    tmp_path: Path,
+) -> None:
+    cfg = compose_config(["benchmark=short_fit"], tmp_path, name="benchmark")
+    assert [m.name for m in methods_of(cfg)] == ["full", "elastic_2x", "elastic_3x", "elastic_2x_cached", "full_again"]
+    assert methods_of(cfg)[-1] == Method("full_again", "full")
+    runs = [
+        _run("full", "full", 0, 101.0, [0.5, 0.8, 0.9]),
+        _run("elastic_2x", "elastic", 0, 51.0, [0.6, 0.895, 0.89], **ELASTIC),
+        _run("full_again", "full", 0, 121.0, [0.5, 0.8, 0.9]),
+        _run("full", "full", 1, 81.0, [0.7, 0.7, 0.7]),
+        _run("elastic_2x", "elastic", 1, 41.0, [0.6, 0.6, 0.7], **ELASTIC),
+        _run("full_again", "full", 1, 81.0, [0.7, 0.7, 0.7]),
+    ]
+    by = {(r["method"], r["seed"]): r for r in table_rows(runs, 0.99)}
+    # training parts (validation 1 s in every run): seed 0's full runs 100 and 120 s, their mean 110 s
+    assert by["elastic_2x", 0]["train_speedup_vs_full"] == pytest.approx(110 / 50)
+    assert by["elastic_2x", 0]["speedup_vs_full"] == pytest.approx(111 / 51)
+    assert by["elastic_2x", 0]["step_vs_full_run"] == pytest.approx(0.2 / (111 / 20))  # mean of 101/20 and 121/20
+    assert by["full_again", 0]["train_speedup_vs_full"] == pytest.approx(110 / 120)
+    assert by["elastic_2x", 1]["train_speedup_vs_full"] == pytest.approx(80 / 40)
+    # accuracy is measured against the first full run (the second, the same fit, reaches the same)
+    assert by["elastic_2x", 0]["time_to_target_s"] == pytest.approx(51 * 2 / 3)
+    report = markdown_report(cfg, list(by.values()), 60.0, CODE)
+    assert "against the first run's 1.20, 1.00 (1.10 ± 0.14): the machine's own drift" in report
+    # without a second full run, no such line
+    plain = [r for r in by.values() if r["method"] != "full_again"]
+    assert "the machine's own drift" not in markdown_report(cfg, plain, 60.0, CODE)
+
+
+def test_full_again_needs_full_fine_tuning_among_the_baselines(tmp_path: Path) -> None:
+    cfg = compose_config(["benchmark.baselines=[static_last_k]", "benchmark.full_again=true"], tmp_path, "benchmark")
+    assert benchmark_problems(cfg) == [
+        "benchmark: `full_again` must be true or false, and true only with `full` among `baselines` (it runs full "
+        "fine-tuning again after each seed's other runs). Found: True with baselines ['static_last_k']"
+    ]
 
 
 def _recorded(
