@@ -27,9 +27,17 @@ CACHE_ENV = "LIGHTNING_ELASTIC_CACHE_DIR"
 
 
 def device_name(device: torch.device) -> str:
+    """The device a profile is taken on, as profiles, cache keys and fits that reuse a profile name and compare it:
+    the kind of device and its model (for a CPU, the threads torch uses), not which of several alike GPUs it was, so
+    that a profile taken on one serves the others.
+
+    Example:
+        >>> device_name(torch.device("cpu")) == device_name(torch.device("cpu", 1))
+        True
+    """
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+        return f"cuda ({torch.cuda.get_device_name(index)})"
     if device.type == "cpu":
         return f"cpu ({torch.get_num_threads()} threads, {platform.processor() or platform.machine()})"
     return str(device)

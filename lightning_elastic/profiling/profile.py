@@ -42,7 +42,7 @@ class TimingProfile:
             ``t_dy[0]`` is reported as 0: nothing below the first tensor ever needs a gradient.
         t_fw: seconds of a plain forward pass (with the loss) when nothing requires grad.
         t_full: seconds of a plain forward + full backward pass.
-        device: where it was measured, e.g. ``"cpu (2 threads)"`` or ``"cuda:0 (NVIDIA H100)"``.
+        device: where it was measured, e.g. ``"cpu (2 threads)"`` or ``"cuda (NVIDIA H100)"``.
         fingerprint: the cache key (see `profile`).
         unused: parameters that require grad but that the forward pass does not use.
         method: ``"measured"`` or ``"flops"``.

@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
-from lightning_elastic.profiling.cache import cache_file, remember_step
+from lightning_elastic.profiling.cache import cache_file, cache_key, device_name, remember_step
 from lightning_elastic.profiling.profile import mismatch, read_profile, store
 from tests.unit.profiling.fakes import small
 
@@ -215,3 +215,16 @@ def test_a_tensor_reshaped_to_the_same_element_count_is_a_mismatch_naming_both_s
         "shapes that differ: ['weight ((4, 6) profiled, (6, 4) in the module)']"
     )
     assert mismatch(dataclasses.replace(measured, shapes=None), nn.Linear(4, 6, bias=False)) is None  # counts only
+
+
+def test_a_profile_taken_on_one_gpu_has_the_key_of_its_alike_and_not_of_another_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    models = {0: "NVIDIA A100", 1: "NVIDIA A100", 2: "NVIDIA T4"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: models[index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    first, second, other = (torch.device("cuda", i) for i in range(3))
+    assert device_name(first) == device_name(second) == device_name(torch.device("cuda")) == "cuda (NVIDIA A100)"
+    assert device_name(other) == "cuda (NVIDIA T4)"
+    key = lambda device: cache_key({"step": 1}, device, [], "measured")  # noqa: E731
+    assert key(first) == key(second) != key(other)
