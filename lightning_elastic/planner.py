@@ -151,9 +151,10 @@ class Reach:
         steps less than NARROW_ROOM above the cheapest selection; None otherwise."""
         if self.this_fit < speedup:
             return (
-                f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.0f} full "
+                f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.1f} full "
                 f"steps) of this fit's budget, so this fit reaches at most {at_most(self.this_fit)}x of the `speedup` "
-                f"{speedup!r} asked. The profile is cached: later fits on this device reach {at_most(self.reachable)}x."
+                f"{speedup!r} asked; without it (a later fit on this device that reads the profile from the cache) "
+                f"{at_most(self.reachable)}x."
             )
         if (room := self.room(speedup)) >= NARROW_ROOM:
             return None
