@@ -2,13 +2,15 @@
 
     python recipes/profile_model.py                                         # EfficientNet-Lite0, ELPV's shape, CPU
     python recipes/profile_model.py model=resnet50 model.net.pretrained=false dataset=cub200 dataset.batch_size=4
+    python recipes/profile_model.py model=minilm dataset=spam_assassin          # a transformer on texts
 
 Composes `conf/profile.yaml`, builds the LightningModule as `recipes/train.py` would (the data set gives only the
-number of classes, the image size and the batch size: no image is read), and times the module's own
-`training_step` on a random batch with `lightning_elastic.profile`: the step a fit runs, so that the profile has
-that step's fingerprint. Writes `profile.md` (the table) and `profile.json` (the figures) to the run's output
-folder (`profile.json` as the library writes every profile: `+elastic.profile=<its path>` reads it); with
-`paths.cache_dir` set, a later training run with the same settings on the same device reuses the profile.
+number of classes, the batch size and an input's size: no image or text is read), and times the module's own
+`training_step` on a made-up batch of the fit's shapes and dtypes with `lightning_elastic.profile`: the step a fit
+runs, so that the profile has that step's fingerprint. Writes `profile.md` (the table) and `profile.json` (the
+figures) to the run's output folder (`profile.json` as the library writes every profile: `+elastic.profile=<its
+path>` reads it); with `paths.cache_dir` set, a later training run with the same settings on the same device reuses
+the profile.
 """
 
 from __future__ import annotations
@@ -74,15 +76,15 @@ def run(cfg: DictConfig) -> TimingProfile:
     assert datamodule is not None and module is not None
     device = torch.device("cuda" if accelerator in ("cuda", "gpu") else "cpu")
     module = module.to(device).train()
-    size, batch = int(cfg.dataset.image_size), int(cfg.dataset.batch_size)
-    images = torch.randn(batch, 3, size, size, device=device)
-    labels = torch.randint(datamodule.num_classes, (batch,), device=device)
+    inputs, shape = made_up_inputs(datamodule, int(cfg.dataset.batch_size), cfg.dataset.get("image_size"))
+    inputs = inputs.to(device)
+    labels = torch.randint(datamodule.num_classes, (len(inputs),), device=device)
     dtype = AUTOCAST[precision]
 
     def compute_loss() -> Tensor:
         autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with autocast:
-            return module.training_step((images, labels), 0)
+            return module.training_step((inputs, labels), 0)
 
     with warnings.catch_warnings():  # the step's `self.log` calls: no Trainer here, nothing to log
         warnings.filterwarnings("ignore", message=r"You are trying to `self.log\(\)`")
@@ -95,10 +97,28 @@ def run(cfg: DictConfig) -> TimingProfile:
     print(table)
     print(
         f"\n{len(profiled.names)} tensors on {profiled.device} ({profiled.method}): full step "
-        f"{profiled.t_full * 1e3:.1f} ms, forward {profiled.t_fw * 1e3:.1f} ms, batch {batch} x {size} x {size}.\n"
+        f"{profiled.t_full * 1e3:.1f} ms, forward {profiled.t_fw * 1e3:.1f} ms, batch of {shape}.\n"
         f"Saved: {output_dir / 'profile.md'} and profile.json"
     )
     return profiled
+
+
+def made_up_inputs(datamodule: object, batch: int, image_size: int | None) -> tuple[Tensor, str]:
+    """A batch of inputs of the shape and dtype the data set gives the module, and its shape in words: random images
+    (N, 3, S, S) for an image data set, else the token ids (N, max_length) its tokenizer makes of a made-up text.
+
+    Example:
+        >>> made_up_inputs(None, 2, 8)[0].shape, made_up_inputs(None, 2, 8)[1]
+        (torch.Size([2, 3, 8, 8]), '2 x 3 x 8 x 8')
+    """
+    if image_size is not None:
+        inputs = torch.randn(batch, 3, int(image_size), int(image_size))
+    else:
+        tokenize = getattr(datamodule, "tokenizer", None)
+        if not callable(tokenize):
+            raise ConfigError(["dataset: `image_size` must be set for images (it has no tokenizer). Found: None"])
+        inputs = tokenize(["a made-up text to profile the step on"] * batch)
+    return inputs, " x ".join(str(n) for n in inputs.shape)
 
 
 if __name__ == "__main__":
