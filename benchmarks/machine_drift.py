@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     times = step_times(efficientnet_lite0(num_classes=2, pretrained=True), args.seconds)[args.warmup :]
     medians = windows(times, args.window)
+    if not medians:
+        parser.error(
+            f"--seconds must leave --warmup + --window ({args.warmup} + {args.window}) steps to time. Found: "
+            f"{len(times) + args.warmup} steps in --seconds {args.seconds:g}"
+        )
     print(f"| seconds | median of {args.window} steps (ms) |\n|---:|---:|")
     for end, median in medians:
         print(f"| {end:.0f} | {median * 1e3:.0f} |")

@@ -100,7 +100,8 @@ class Reach:
 
     Attributes:
         floor: the cheapest selected step, as a share of a full step.
-        reachable: the largest speedup, this run's profiling left out (it is paid once: the profile is cached).
+        reachable: the largest speedup, this run's profiling left out (what a later fit that reads the profile from
+            the cache, the default, reaches).
         this_fit: the largest speedup of this fit, with what its profiling cost.
         scope: what the figures count, in words.
         profile_seconds: what profiling took this run.
@@ -163,8 +164,8 @@ class Reach:
             f"above the cheapest selection ({self.floor:.0%} of a full step: the forward pass and what every selection "
             f"trains), {self.scope} and {self.profile_seconds:.1f} s of profiling: its selections can train little "
             f"more than the cheapest set, and accuracy may fall toward training that set alone. At most "
-            f"{at_most(self.leaving(NARROW_ROOM))}x leaves {NARROW_ROOM:.0%}; a longer fit, or the cached profile of "
-            "a later fit, leaves more."
+            f"{at_most(self.leaving(NARROW_ROOM))}x leaves {NARROW_ROOM:.0%}; a longer fit, or a later fit that reads "
+            "the profile from the cache (the default), leaves more."
         )
 
 

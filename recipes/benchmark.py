@@ -9,10 +9,10 @@ Composes `conf/benchmark.yaml`, checks the whole config up front, then for every
 another, each in a fresh process (so that peak memory and state are its own), on the same data split and epochs:
 full fine-tuning, head only, BitFit-like (head, biases, norm layers), a static selection of the last k tensors
 chosen offline to fit the same per-step budget, Lightning's `BackboneFinetuning`, composer-style linear layer
-freezing, and `ElasticTensorSelection` at
-each target speedup. Each run measures its fit's wall clock (for elastic: profiling, probes and selections
-included), every step's time, validation accuracy after every epoch against wall-clock time, test accuracy, peak
-memory and energy (NVML on NVIDIA GPUs; elsewhere wall time x `device.power_watts`, an estimate).
+freezing, and `ElasticTensorSelection` at each target speedup (with `benchmark.full_again`, full fine-tuning once
+more after them). Each run measures its fit's wall clock (for elastic: profiling, probes and selections included),
+every step's time, validation accuracy after every epoch against wall-clock time, test accuracy, peak memory and
+energy (NVML on NVIDIA GPUs; elsewhere wall time x `device.power_watts`, an estimate).
 
 Writes to the run folder: `results.csv` (one row per method and seed), `results.md` (mean and spread over seeds,
 the elastic runs' own figures, the targets of the benchmark issue met or missed, accuracy at equal wall clock, and

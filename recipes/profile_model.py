@@ -108,15 +108,17 @@ def made_up_inputs(datamodule: object, batch: int, image_size: int | None) -> tu
     (N, 3, S, S) for an image data set, else the token ids (N, max_length) its tokenizer makes of a made-up text.
 
     Example:
-        >>> made_up_inputs(None, 2, 8)[0].shape, made_up_inputs(None, 2, 8)[1]
-        (torch.Size([2, 3, 8, 8]), '2 x 3 x 8 x 8')
+        >>> inputs, shape = made_up_inputs(None, 2, 8)
+        >>> inputs.dtype, shape
+        (torch.float32, '2 x 3 x 8 x 8')
     """
     if image_size is not None:
         inputs = torch.randn(batch, 3, int(image_size), int(image_size))
     else:
         tokenize = getattr(datamodule, "tokenizer", None)
         if not callable(tokenize):
-            raise ConfigError(["dataset: `image_size` must be set for images (it has no tokenizer). Found: None"])
+            kind = type(datamodule).__name__
+            raise ConfigError([f"dataset: `image_size` must be a positive int for {kind} (no tokenizer). Found: None"])
         inputs = tokenize(["a made-up text to profile the step on"] * batch)
     return inputs, " x ".join(str(n) for n in inputs.shape)
 

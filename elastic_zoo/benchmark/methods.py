@@ -91,11 +91,12 @@ def benchmark_problems(cfg: DictConfig) -> list[str]:
     if not bench.baselines and not speedups:
         problems.append("`baselines` and `elastic_speedups` must name at least one method. Found: none")
     full_again = bench.get("full_again", False)
-    if not isinstance(full_again, bool) or (full_again and "full" not in bench.baselines):
+    if not isinstance(full_again, bool):
+        problems.append(f"`full_again` must be true or false. Found: {full_again!r}")
+    elif full_again and "full" not in bench.baselines:
         problems.append(
-            "`full_again` must be true or false, and true only with `full` among `baselines` (it runs full "
-            f"fine-tuning again after each seed's other runs). Found: {full_again!r} with baselines "
-            f"{list(bench.baselines)}"
+            "`full_again` true needs `full` among `baselines` (it runs full fine-tuning again after each seed's "
+            f"other runs). Found: baselines {list(bench.baselines)}"
         )
     if not (_is_number(bench.reference_speedup) and bench.reference_speedup > 1):
         problems.append(f"`reference_speedup` must be a number > 1. Found: {bench.reference_speedup!r}")

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from elastic_zoo.benchmark.methods import FULL_AGAIN
 from elastic_zoo.benchmark.readout import LABELS, Metric, read_out
 from elastic_zoo.benchmark.report import cell, mean_spread
 
@@ -161,6 +162,7 @@ def paired_report(runs: Sequence[dict[str, Any]], metric: Metric = "acc") -> str
     `runs` as recorded (runs.json): `metric` chooses the read-out, "acc" or "balanced_acc" (see `readout`).
     """
     grouped = by_method_and_seed(read_out(runs, metric))
+    grouped.pop(FULL_AGAIN, None)  # full fine-tuning again: full's accuracy, at another speed of the machine
     times = common_times(grouped)
     if not times:
         return ""

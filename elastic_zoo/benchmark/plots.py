@@ -46,7 +46,7 @@ def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float, metric: Met
         if not band:
             continue
         seconds, means, spreads = (list(column) for column in zip(*band, strict=True))
-        style = "-" if name.startswith("elastic") else "--" if name == "full" else ":"
+        style = "-" if name.startswith("elastic") else "--" if group[0]["kind"] == "full" else ":"
         (line,) = axes.plot(seconds, [100 * m for m in means], style, drawstyle="steps-post", label=name)
         if end in seconds:
             axes.plot([end], [100 * means[seconds.index(end)]], "o", color=line.get_color(), markersize=4)
@@ -55,7 +55,7 @@ def accuracy_figure(runs: Sequence[dict[str, Any]], fraction: float, metric: Met
         axes.fill_between(seconds, low, high, step="post", color=line.get_color(), alpha=0.12, linewidth=0)
     for times in common_times(grouped).values():
         axes.axvline(statistics.fmean(times.values()), color="grey", linestyle=":", linewidth=0.6)
-    full_best = [r["best_accuracy"] for r in runs if r["kind"] == "full"]
+    full_best = [r["best_accuracy"] for r in runs if r["method"] == "full"]  # the first full run's, as the tables
     if full_best:
         axes.axhline(
             100 * fraction * statistics.fmean(full_best),

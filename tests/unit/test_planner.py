@@ -297,6 +297,10 @@ def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone
         f"at most {at_most(fit.this_fit)}x of the `speedup` {between!r} asked; without it (a later fit on this device "
         f"that reads the profile from the cache) {at_most(fit.reachable)}x."
     )
+    # a fraction of a step can tip a speedup at the edge: said as such (it read "1 full steps" for 0.6)
+    small = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=4.2, full_step=7.0)
+    edge = (small.this_fit + small.reachable) / 2
+    assert str(small.check(edge)).startswith("ElasticTensorSelection: profiling took 4.2 s (0.6 full steps) of this")
 
 
 def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_selection_is_warned_about() -> None:
@@ -314,8 +318,8 @@ def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_sele
         f"{fit.room(narrow):.1%} of a full step above the cheapest selection (43% of a full step: the forward pass and "
         "what every selection trains), in a fit of 40 steps with 8 probe steps at full cost and 14.0 s of profiling: "
         "its selections can train little more than the cheapest set, and accuracy may fall toward training that set "
-        f"alone. At most {at_most(fit.leaving(planner.NARROW_ROOM))}x leaves 5%; a longer fit, or the cached profile "
-        "of a later fit, leaves more."
+        f"alone. At most {at_most(fit.leaving(planner.NARROW_ROOM))}x leaves 5%; a longer fit, or a later fit that "
+        "reads the profile from the cache (the default), leaves more."
     )
 
 
