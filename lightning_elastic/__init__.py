@@ -6,7 +6,7 @@ that matter most under a per-step time budget. The pure parts can be used withou
 """
 
 from lightning_elastic.callback import ElasticTensorSelection
-from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.profiling import TimingProfile, profile
 from lightning_elastic.selector import Selection, select
@@ -16,6 +16,7 @@ __all__ = [
     "ElasticTensorSelection",
     "ImportanceEvaluator",
     "Selection",
+    "SpeedupOutOfReach",
     "TimingProfile",
     "profile",
     "select",

@@ -1,4 +1,5 @@
-"""The one error type of a setting that is wrong, or that this model, data or device cannot meet."""
+"""The one error type of a setting that is wrong, or that this model, data or device cannot meet, and its kind for
+a speedup out of reach."""
 
 from __future__ import annotations
 
@@ -19,6 +20,25 @@ class ElasticConfigError(ValueError):
         ...     print(err)
         `speedup` must be a finite number > 1. Found: 0.5
     """
+
+
+class SpeedupOutOfReach(ElasticConfigError):
+    """The `ElasticConfigError` of a `speedup` that this model, device and fit cannot reach, raised before the first
+    update: `reachable` is the largest one that they can, rounded down as the message gives it, for a caller that
+    would rather fit at that speedup than not at all.
+
+    Example:
+        >>> err = SpeedupOutOfReach("`speedup` must be at most 2.73 for ... Found: 3.0", reachable=2.73)
+        >>> isinstance(err, ElasticConfigError), err.reachable, str(err)[:28]
+        (True, 2.73, '`speedup` must be at most 2.')
+    """
+
+    def __init__(self, message: str, reachable: float) -> None:
+        super().__init__(message)
+        self.reachable = reachable
+
+    def __reduce__(self) -> tuple[type[SpeedupOutOfReach], tuple[str, float]]:
+        return type(self), (str(self), self.reachable)  # pickled whole: across processes (DDP, a benchmark's runs)
 
 
 def is_positive_int(value: object) -> bool:

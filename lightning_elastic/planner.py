@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.errors import SpeedupOutOfReach
 from lightning_elastic.records import Decision, Mask
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
@@ -130,10 +130,10 @@ class Reach:
         """Refuse a `speedup` out of reach; the warning when only this run's profiling puts it out of reach.
 
         Raises:
-            ElasticConfigError: with the largest reachable speedup (`refusal`).
+            SpeedupOutOfReach: with the largest reachable speedup (`refusal`).
         """
         if (refusal := self.refusal(speedup)) is not None:
-            raise ElasticConfigError(refusal)
+            raise SpeedupOutOfReach(refusal, reachable=float(at_most(self.reachable)))
         return self.warning(speedup)
 
     def refusal(self, speedup: float) -> str | None:

@@ -26,7 +26,7 @@ from elastic_zoo.benchmark.readout import METRICS
 from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
 from elastic_zoo.recipe import build, quiet_console, seed_everything, set_threads
-from lightning_elastic import ElasticTensorSelection
+from lightning_elastic import ElasticTensorSelection, SpeedupOutOfReach
 from lightning_elastic.freezing import match_patterns
 
 
@@ -65,7 +65,10 @@ def run_method(config: dict[str, Any], method: Method, path: str, parent: int) -
     try:
         measure(OmegaConf.create(config), method, path)
     except Exception as err:
-        Path(path).write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
+        record: dict[str, Any] = {"error": f"{type(err).__name__}: {err}"}
+        if isinstance(err, SpeedupOutOfReach):  # the callback's answer, before training: not a failure of the run
+            record["refused_at_most"] = err.reachable
+        Path(path).write_text(json.dumps(record) + "\n")
         raise
 
 

@@ -356,11 +356,28 @@ def drift_lines(grouped: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def failures(failed: Sequence[dict[str, Any]]) -> str:
-    """A markdown section listing the runs that failed and why; empty when none did."""
-    if not failed:
-        return ""
-    lines = ["", "## Failed runs", "", *(f"- {r['method']}, seed {r['seed']}: {r['error']}" for r in failed), ""]
-    return "\n".join(lines)
+    """Markdown sections listing the runs refused before training (a speedup out of reach: the callback's answer,
+    with the reachable figure) and the runs that failed, each with its message; empty when there are none.
+
+    Example:
+        >>> refused = {"method": "elastic_3x", "seed": 1, "error": "SpeedupOutOfReach: ...", "refused_at_most": 2.86}
+        >>> print(failures([refused]))
+        <BLANKLINE>
+        ## Refused before training (a speedup out of reach)
+        <BLANKLINE>
+        - elastic_3x, seed 1: at most 2.86x: SpeedupOutOfReach: ...
+        <BLANKLINE>
+    """
+    refused = [r for r in failed if "refused_at_most" in r]
+    broken = [r for r in failed if "refused_at_most" not in r]
+    lines = []
+    if refused:
+        lines += ["", "## Refused before training (a speedup out of reach)", ""]
+        for r in refused:
+            lines.append(f"- {r['method']}, seed {r['seed']}: at most {r['refused_at_most']:.2f}x: {r['error']}")
+    if broken:
+        lines += ["", "## Failed runs", "", *(f"- {r['method']}, seed {r['seed']}: {r['error']}" for r in broken)]
+    return "\n".join([*lines, ""]) if lines else ""
 
 
 def _sizes(rows: Sequence[dict[str, Any]], key: str) -> str:

@@ -449,6 +449,32 @@ def test_method_names_say_the_speedup() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_speedup_refused_before_training_is_reported_with_its_reachable_figure_and_fails_no_benchmark(
+    tmp_path: Path,
+) -> None:
+    """A refusal is the callback's answer to a speedup out of reach: listed with the reachable figure, apart from
+    failures, and the benchmark ends well. Before, it was a "failed run" and the benchmark exited 1."""
+    fake_fashion_mnist(tmp_path / "fmnist", train=240, test=48)
+    module = ImageClassifier(tiny_cnn(num_classes=10), num_classes=10)
+    (tmp_path / "profile.json").write_text(json.dumps(synthetic_profile(module).to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable, "recipes/benchmark.py", "benchmark=tiny", "dataset=fashion_mnist",
+        f"dataset.root={tmp_path / 'fmnist'}", f"+elastic.profile={tmp_path / 'profile.json'}",
+        "benchmark.baselines=[full]", "benchmark.elastic_speedups=[1.2,50]", f"hydra.run.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (tmp_path / "run" / "results.md").read_text()
+    runs = {r["method"]: r for r in json.loads((tmp_path / "run" / "runs.json").read_text())}
+    reachable = runs["elastic_50x"]["refused_at_most"]
+    assert 1.2 < reachable < 50 and "error" not in runs["elastic_1.2x"]
+    assert f"## Refused before training (a speedup out of reach)\n\n- elastic_50x, seed 0: at most {reachable:.2f}x: " \
+        f"SpeedupOutOfReach: `speedup` must be at most {reachable:.2f} " in report
+    assert "## Failed runs" not in report
+
+
 def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path) -> None:
     fake_fashion_mnist(tmp_path / "fmnist", train=240, test=48)
     # A fixed timing profile for the static and elastic selections, used alone (no calibration with measured

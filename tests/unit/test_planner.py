@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 
 from lightning_elastic import planner
-from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.records import Decision, Mask
 from lightning_elastic.schedule import Schedule
@@ -285,6 +286,9 @@ def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone
     assert fit.check(1.0) is None  # reachable with this run's profiling too
     with pytest.raises(ElasticConfigError) as refused:
         fit.check(3.0)
+    assert isinstance(refused.value, SpeedupOutOfReach) and refused.value.reachable == float(at_most(fit.reachable))
+    again = pickle.loads(pickle.dumps(refused.value))  # whole across processes: message and figure
+    assert (str(again), again.reachable) == (str(refused.value), refused.value.reachable)
     assert str(refused.value) == (
         f"`speedup` must be at most {at_most(fit.reachable)} for this model on this device in a fit of 40 steps with "
         "8 probe steps at full cost: the forward pass and the parts of a step that every selection pays (at least "
