@@ -275,6 +275,7 @@ class ElasticTensorSelection(Callback):
         elif fit.schedule.opens_at_epoch_start(trainer.current_epoch) and fit.probe_end is None:
             fit.open_probe(trainer, step + fit.schedule.probe_steps)
         fit.hold_bn(pl_module)
+        fit.loop_timer.cancel()  # an epoch's first batch waits for its data loader to start: not a step's loop
 
     @override
     def on_train_batch_start(
@@ -287,6 +288,8 @@ class ElasticTensorSelection(Callback):
         fit.check_trainable()
         fit.step_at_batch_start = step = trainer.global_step
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0
+        if first_of_step:
+            fit.batch_started()
         if first_of_step and fit.probe_end is None and (end := fit.schedule.window_end(step)) is not None:
             fit.open_probe(trainer, end)
         for name, value in reporting.progress_metrics(fit.probe_end is not None, fit.mask).items():
@@ -353,6 +356,7 @@ class ElasticTensorSelection(Callback):
             self._first.timer.start()
         if self._fit is not None:
             self._fit.step_timer.start()  # validation is the same with and without the callback: not counted
+            self._fit.loop_timer.cancel()
 
     # ------------------------------------------------------------------ 4. select and 5. apply
 
@@ -377,7 +381,8 @@ class ElasticTensorSelection(Callback):
         record = SelectionRecord(trainer.global_step, trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
         image = self.selection_map if self._log_images else lambda: None  # 6. inspect
-        reporting.log_selection(trainer, record, fit.plan, profile, (select_seconds, terms.optimizer), image)
+        seconds = (select_seconds, terms.optimizer, terms.loop)
+        reporting.log_selection(trainer, record, fit.plan, profile, seconds, image)
 
     def _close_interval(self, trainer: L.Trainer, fit: FitSession) -> None:
         """The last selection's measured steps: into its record, into the plan's correction, to the loggers."""

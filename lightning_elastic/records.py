@@ -174,9 +174,11 @@ class StepTerms:
         full: seconds of a full training step.
         optimizer: seconds of the optimizer update of every tensor (0 when not measured).
         target: seconds a selected step may take, as `model` predicts it.
+        loop: seconds between two steps that every step pays (loading the batch, the loop; 0 when not measured).
     """
 
     model: StepTimeModel
     full: float
     optimizer: float
     target: float
+    loop: float = 0.0

@@ -111,9 +111,15 @@ def interval_metrics(
 
 
 def selection_metrics(
-    record: SelectionRecord, plan: WallClockPlan, numel: Sequence[int], select_seconds: float, optimizer_seconds: float
+    record: SelectionRecord,
+    plan: WallClockPlan,
+    numel: Sequence[int],
+    select_seconds: float,
+    optimizer_seconds: float,
+    loop_seconds: float = 0.0,
 ) -> dict[str, float]:
-    """A new selection: what it trains, its predicted, full and target step, and the contract.
+    """A new selection: what it trains, its predicted, full and target step, what every step pays between two
+    (`loop_seconds`), and the contract.
 
     Example:
         >>> rec = SelectionRecord(0, 0, Decision(Mask.of([True, False]), (1.0, 0.0), 0.1, 0.15), 0.2)
@@ -129,6 +135,7 @@ def selection_metrics(
         "elastic/full_step_ms": record.full_seconds * 1e3,
         "elastic/target_step_ms": record.decision.target_seconds * 1e3,
         "elastic/optimizer_ms": optimizer_seconds * 1e3,
+        "elastic/loop_ms": loop_seconds * 1e3,
         "elastic/select_ms": select_seconds * 1e3,
         **contract_metrics(plan),
     }
@@ -149,10 +156,11 @@ def log_selection(
     record: SelectionRecord,
     plan: WallClockPlan,
     profile: TimingProfile,
-    seconds: tuple[float, float],
+    seconds: tuple[float, float, float],
     image: Callable[[], np.ndarray | None],
 ) -> None:
-    """A selection's metrics to every logger (`seconds`: the selection's own and the optimizer step's), and its text
+    """A selection's metrics to every logger (`seconds`: the selection's own, the optimizer step's and the loop's
+    between two steps), and its text
     and selection map (`image`, drawn for each TensorBoard writer; None: none) to TensorBoard."""
     metrics = selection_metrics(record, plan, profile.numel, *seconds)
     log_metrics(trainer, metrics)

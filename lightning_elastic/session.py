@@ -10,6 +10,7 @@ between the trained tensors' own), and gives the BatchNorm modes it changed back
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -51,6 +52,9 @@ TOTALS = (
     "compiled_graphs",
     "nonfinite_steps",
 )
+# The seconds between two steps (the next batch loaded, the loop, other callbacks: nothing a selection changes) are
+# measured at every step; the time model charges every step their median over the latest LOOP_SAMPLES.
+LOOP_SAMPLES = 32
 
 
 @dataclass
@@ -66,6 +70,7 @@ class FitSession:
     step_timer: StepTimer
     optimizer_timer: StepTimer
     overhead_timer: StepTimer
+    loop_timer: StepTimer  # from the end of one optimizer step to the start of the next (`loop_seconds`)
     bn_policy: BnPolicy
     plan: WallClockPlan
     allreduce: SelectiveAllReduce | None = None
@@ -79,6 +84,7 @@ class FitSession:
     probe_full: list[float] = field(default_factory=list)
     probe_optimizer: list[float] = field(default_factory=list)
     selected_steps: list[float] = field(default_factory=list)
+    loop_seconds: list[float] = field(default_factory=list)  # the latest LOOP_SAMPLES steps' (`loop_timer`)
     step_at_batch_start: int = -1
     warned_starved: bool = False
     warned_nonfinite: bool = False
@@ -123,6 +129,7 @@ class FitSession:
             step_timer=StepTimer(device, clock),
             optimizer_timer=StepTimer(device, clock),
             overhead_timer=StepTimer(device, clock),
+            loop_timer=StepTimer(device, clock),
             bn_policy=bn_policy,
             plan=plan,
             latest=[0.0] * len(params),
@@ -271,6 +278,8 @@ class FitSession:
         seconds = math.fsum(self.step_timer.pop())
         overhead = math.fsum(self.overhead_timer.pop())
         optimizer = math.fsum(self.optimizer_timer.pop())
+        self.loop_seconds = (self.loop_seconds + self.loop_timer.pop())[-LOOP_SAMPLES:]
+        self.loop_timer.start()
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1
         if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
@@ -323,15 +332,20 @@ class FitSession:
                     self.latest[k] = value
         self.evaluator.reset()
 
-    def probe_figures(self, trainer: L.Trainer) -> tuple[float, float]:
+    def batch_started(self) -> None:
+        """An optimizer step's first batch starts: the seconds since the step before ended are `loop_seconds`."""
+        self.loop_timer.stop()
+
+    def probe_figures(self, trainer: L.Trainer) -> tuple[float, float, float]:
         """The full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus
-        `prior_update`) and its optimizer update (the steady probe steps' mean, else `prior_update`), averaged over
-        ranks."""
+        `prior_update`), its optimizer update (the steady probe steps' mean, else `prior_update`) and its loop (the
+        median of `loop_seconds`, 0 before any), averaged over ranks."""
         probed = self.probe_optimizer
         optimizer = math.fsum(probed) / len(probed) if probed else self.prior_update
-        figures = torch.tensor([self.plan.full_step, optimizer], dtype=torch.float64, device=self.params[0].device)
-        full, optimizer = trainer.strategy.reduce(figures, reduce_op="mean").cpu().tolist()
-        return full, optimizer
+        loop = statistics.median(self.loop_seconds) if self.loop_seconds else 0.0
+        figures = torch.tensor([self.plan.full_step, optimizer, loop], dtype=torch.float64)
+        full, optimizer, loop = trainer.strategy.reduce(figures.to(self.params[0].device), reduce_op="mean").tolist()
+        return full, optimizer, loop
 
     def target(self, trainer: L.Trainer, step: int) -> float:
         """The plan's step target until the horizon, averaged over ranks so that every rank decides alike."""
@@ -351,9 +365,9 @@ class FitSession:
         window of warm-up steps only leaves the profile's `T`); else the profile's step over the speedup."""
         prof = self.profile
         if calibrate:
-            full, optimizer = self.probe_figures(trainer)
+            full, optimizer, loop = self.probe_figures(trainer)
             target = self.target(trainer, trainer.global_step)
-            return StepTerms(StepTimeModel.calibrated(prof, full, optimizer), full, optimizer, target)
+            return StepTerms(StepTimeModel.calibrated(prof, full, optimizer, loop), full, optimizer, target, loop)
         return StepTerms(StepTimeModel.from_profile(prof), prof.t_full, 0.0, prof.t_full / self.plan.speedup)
 
     def off_plan(self, trainer: L.Trainer) -> bool:
@@ -404,6 +418,7 @@ class FitSession:
         self.mask = record.mask
         self.history.append(record)
         self.step_timer.start()
+        self.loop_timer.start()
 
     # ------------------------------------------------------------------ the end of the fit
 

@@ -95,6 +95,10 @@ class StepTimer:
         self._pending.append((self._start, self._clock.stamp()))
         self._start = None
 
+    def cancel(self) -> None:
+        """Drop the interval opened by `start()`, if any: it is not measured."""
+        self._start = None
+
     def pop(self) -> list[float]:
         """Seconds of every interval closed since the last `pop()`, in order (waits for CUDA events)."""
         done = [self._clock.seconds(begin, end) for begin, end in self._pending]

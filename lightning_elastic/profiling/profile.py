@@ -132,9 +132,10 @@ class TimingProfile:
             raise ValueError(f"`mask` must have one entry per profiled tensor ({len(self.names)}). Found: {len(mask)}")
         return StepTimeModel.from_profile(self).predict(mask)
 
-    def scaled(self, factor: float) -> TimingProfile:
+    def scaled(self, factor: float, forward: float | None = None) -> TimingProfile:
         """The profile with every time of the pass (`t_dw`, `t_dy`, `t_fw`, `t_full`, `t_tail`) times `factor`: the
-        passes of an optimizer step over `factor` micro-batches, or the pass made to predict a measured step.
+        passes of an optimizer step over `factor` micro-batches, or the pass made to predict a measured step; with
+        `forward`, the forward pass `t_fw` times that instead (and `t_full` as the sum of both parts).
         `t_step` (a training step a fit measured) and `profile_seconds` are no times of the pass and stay.
 
         Example:
@@ -142,13 +143,17 @@ class TimingProfile:
             >>> q = p.scaled(4)
             >>> q.t_dw, q.t_dy, q.t_fw, q.t_full, q.t_step
             ((4.0,), (2.0,), 8.0, 12.0, 3.5)
+            >>> r = p.scaled(0.5, forward=1.0)  # the backward half as long, the forward as it was
+            >>> r.t_dw, r.t_fw, r.t_full
+            ((0.5,), 2.0, 2.5)
         """
+        ahead = factor if forward is None else forward
         return replace(
             self,
             t_dw=tuple(t * factor for t in self.t_dw),
             t_dy=tuple(t * factor for t in self.t_dy),
-            t_fw=self.t_fw * factor,
-            t_full=self.t_full * factor,
+            t_fw=self.t_fw * ahead,
+            t_full=self.t_fw * ahead + (self.t_full - self.t_fw) * factor,
             t_tail=self.t_tail * factor,
         )
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_elastic import ElasticTensorSelection, planner, reporting, session, windows
+from lightning_elastic import ElasticTensorSelection, planner, reporting, resume, session, windows
 from lightning_elastic import callback as callback_module
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.cache import cache_file
@@ -538,3 +538,63 @@ def test_with_gradient_accumulation_a_step_is_timed_and_planned_over_all_its_mic
     assert summary["full_fit_seconds"] == pytest.approx(steps * full)
     assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
     assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
+
+
+class LoadingDevice(Callback):
+    """A device whose forward pass takes what the profile says and its backward `error` times that, and whose every
+    step first waits `loading` seconds for its batch (as `on_train_batch_start` comes): the profile knows nothing
+    of that wait."""
+
+    def __init__(self, error: float, loading: float) -> None:
+        self.now = 0.0
+        self.loading = loading
+        model = StepTimeModel.from_profile(PROFILE)
+        self.truth = StepTimeModel(  # what a step costs on this device, its wait included
+            t_dw=tuple(error * t for t in model.t_dw),
+            t_dy=tuple(error * t for t in model.t_dy),
+            t_fixed=PROFILE.t_fw + error * model.t_tail + loading,
+            t_tail=error * model.t_tail,
+        )
+
+    def clock(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.now += self.loading
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        named = dict(pl_module.named_parameters())
+        self.now += self.truth.predict(tuple(named[n].requires_grad for n in PROFILE.names)) - self.loading
+
+
+def test_a_warming_profile_and_the_wait_between_steps_leave_every_step_predicted_as_measured() -> None:
+    """The profile timed its forward pass as the device runs it and its backward 1.6x slower (a process still warming
+    up), and every step waits 0.2 of the profile's pass for its batch. `T` is measured; the profile's backward is scaled
+    down to what the step spends in its pass, its forward kept, and the measured wait charged whole to every step. So
+    the model predicts every selected step exactly as measured, and every selection is what the exact selector picks
+    under the device's own costs. Before, the whole profile was scaled alike, the wait with it: a step training little
+    was predicted well under what it took (Fashion-MNIST at 3x: 92 ms for 150 ms), the correction then made every
+    larger selection look too dear, and the fit trained the head alone."""
+    speedup, steps = 1.4, 64
+    device = LoadingDevice(error=1 / 1.6, loading=0.2 * PROFILE.t_full)
+    callback = ElasticTensorSelection(speedup=speedup, interval=16, interval_unit="step", profile=PROFILE, clock=device.clock)
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[device, callback], max_steps=steps, max_epochs=-1).fit(TinyNet(), tiny_data(samples=4096))
+    fit, truth = callback._fit, device.truth
+    assert fit is not None and fit.plan.full_step == pytest.approx(truth.full)
+    assert fit.loop_seconds == pytest.approx([device.loading] * len(fit.loop_seconds)) and fit.loop_seconds
+    for record in callback.history:
+        assert record.decision.predicted_seconds == pytest.approx(truth.predict(record.mask), rel=1e-9)
+        assert record.measured_seconds == pytest.approx([truth.predict(record.mask)] * len(record.measured_seconds))
+        reference = decide(
+            truth, record.decision.importance, record.decision.target_seconds, required=fit.required,
+            forbidden=fit.forbidden, resolution=1000,
+        )
+        assert record.mask == reference.mask and not record.decision.starved, record
+    assert fit.plan.correction == pytest.approx(1.0, rel=1e-9) and not any(r.replanned for r in callback.history)
+    summary = callback.summary()
+    assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
+    assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
+    resumed = session.FitSession.start(TinyNet(), fit.profile, fit.schedule, fit.plan, (), "update", device.clock)
+    resume.restore(resumed, resume.fit_state(fit))  # a checkpoint keeps the waits measured so far
+    assert resumed.loop_seconds == fit.loop_seconds

@@ -161,7 +161,8 @@ def test_interval_metrics_compare_measured_with_predicted_and_measured_full_step
 
 def test_selection_metrics_are_the_record_in_milliseconds_and_shares() -> None:
     rec = record([False, True, True], ())
-    metrics = selection_metrics(rec, WallClockPlan(2.0, 10, 1.0), NUMEL, select_seconds=0.002, optimizer_seconds=0.01)
+    plan = WallClockPlan(2.0, 10, 1.0)
+    metrics = selection_metrics(rec, plan, NUMEL, select_seconds=0.002, optimizer_seconds=0.01, loop_seconds=0.05)
     assert {k: v for k, v in metrics.items() if "seconds" not in k and "speedup" not in k} == {
         "elastic/selected_fraction": pytest.approx(2 / 3),
         "elastic/selected_elements_fraction": 0.9,
@@ -169,6 +170,7 @@ def test_selection_metrics_are_the_record_in_milliseconds_and_shares() -> None:
         "elastic/full_step_ms": 1000.0,
         "elastic/target_step_ms": 500.0,
         "elastic/optimizer_ms": 10.0,
+        "elastic/loop_ms": 50.0,
         "elastic/select_ms": 2.0,
         "elastic/time_model_correction": 1.0,
     }
@@ -234,12 +236,12 @@ def test_a_selection_is_logged_to_every_logger_and_drawn_for_each_tensorboard_wr
     monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: writers)
     trainer = SimpleNamespace(loggers=loggers, global_step=4)
     drawn: list[int] = []
-    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01), lambda: drawn.append(1) or object())  # type: ignore[arg-type]
+    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01, 0.0), lambda: drawn.append(1) or object())  # type: ignore[arg-type]
     expected = selection_metrics(rec, plan, NUMEL, select_seconds=0.002, optimizer_seconds=0.01)
     finite = {k: v for k, v in expected.items() if math.isfinite(v)}  # what every logger is given
     assert all(logger.logged == [(4, finite)] for logger in loggers)
     assert drawn == [1, 1] and all(("add_image", "elastic/selection") in w.calls for w in writers)
     without = Writer()
     monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: [without])
-    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01), lambda: None)  # type: ignore[arg-type]
+    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01, 0.0), lambda: None)  # type: ignore[arg-type]
     assert ("add_text", "elastic/selection") in without.calls and not any(c[0] == "add_image" for c in without.calls)

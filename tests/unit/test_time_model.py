@@ -49,23 +49,32 @@ def test_optimizer_time_is_shared_by_elements_and_loop_time_is_fixed() -> None:
         StepTimeModel.from_profile(profile, optimizer_seconds=-1)
 
 
-@pytest.mark.parametrize("full_step", [4.0, 6.5, 9.0])  # less the update (0.5): below, at and above the profile's 6.0
-def test_the_calibrated_model_predicts_the_measured_full_step_from_either_side(full_step: float) -> None:
-    """A profile timed slower than the fit's steady step (a process still warming up) is scaled down to it, every
-    term alike; one timed faster keeps its terms and charges the rest of the step to every step (the loop)."""
+# Less the update (0.5) and the loop: below the profile's forward (1.0), between it and its pass (6.0), at, above.
+@pytest.mark.parametrize(("full_step", "loop"), [(1.2, 0.0), (4.0, 0.0), (4.0, 0.5), (6.5, 0.0), (9.0, 0.0), (9.0, 1.0)])
+def test_the_calibrated_model_predicts_the_measured_full_step_from_either_side(full_step: float, loop: float) -> None:
+    """A profile timed slower than the fit's steady pass (a process still warming up) has its backward scaled down to
+    it and keeps its forward, unless the pass measured no longer than that forward (then every term alike); one timed
+    faster keeps its terms and charges the rest of the step to every step. The measured loop is charged to every step
+    whole."""
     plain = make_profile((1.0, 1.0, 0.5), (0.5, 1.0, 1.0), t_fw=1.0, numel=(100, 300, 100))
     profile = replace(plain, t_tail=0.5, t_full=plain.t_full + 0.5)  # the loss's backward, paid by every selection
-    assert profile.t_full == 6.0
+    assert (profile.t_fw, profile.t_full) == (1.0, 6.0)
     optimizer = 0.5
-    model = StepTimeModel.calibrated(profile, full_step=full_step, optimizer_seconds=optimizer)
+    model = StepTimeModel.calibrated(profile, full_step=full_step, optimizer_seconds=optimizer, loop_seconds=loop)
     assert model.full == pytest.approx(full_step)
     base = StepTimeModel.from_profile(profile)
-    ratio = min(1.0, (full_step - optimizer) / profile.t_full)
-    loop = max(0.0, full_step - optimizer - profile.t_full)
+    step = full_step - optimizer - loop
+    if step >= 6.0:
+        forward, backward, fixed = 1.0, 1.0, loop + step - 6.0
+    elif step > 1.0:
+        forward, backward, fixed = 1.0, (step - 1.0) / 5.0, loop
+    else:
+        forward = backward = step / 6.0
+        fixed = loop
     for mask in itertools.product([False, True], repeat=3):
         update = optimizer * sum(n for n, m in zip(profile.numel, mask, strict=True) if m) / 500
-        expected = ratio * base.predict(mask) + loop + update
-        assert model.predict(mask) == pytest.approx(expected)
+        expected = forward * 1.0 + backward * (base.predict(mask) - 1.0) + fixed + update
+        assert model.predict(mask) == pytest.approx(expected), mask
 
 
 def test_budget_selection_meets_the_speedup_target() -> None:
