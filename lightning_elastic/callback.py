@@ -210,7 +210,7 @@ class ElasticTensorSelection(Callback):
         fit = self._begin(trainer, pl_module, prof, self._clock() - started, timed)
         # A fit resumed mid-epoch (where `every_n_train_steps` checkpoints are) gets no `on_train_epoch_start` before
         # its first step: its step is timed, and the restored selection's BatchNorm modes are set, from here.
-        fit.step_timer.start()
+        fit.clock.step.start()
         fit.hold_bn(pl_module)
 
     def _profile_at_first_step(self, trainer: L.Trainer, pl_module: L.LightningModule, first: FirstStep) -> None:
@@ -268,14 +268,14 @@ class ElasticTensorSelection(Callback):
         if (fit := self._fit) is None:
             return
         fit.check_trainable()
-        fit.step_timer.start()
+        fit.clock.step.start()
         step = trainer.global_step
         if fit.pending_selection or (self._interval_unit == "epoch" and fit.schedule.selects_at(step)):
             self._select_and_apply(trainer, pl_module)
         elif fit.schedule.opens_at_epoch_start(trainer.current_epoch) and fit.probe_end is None:
             fit.open_probe(trainer, step + fit.schedule.probe_steps)
         fit.hold_bn(pl_module)
-        fit.loop_timer.cancel()  # an epoch's first batch waits for its data loader to start: not a step's loop
+        fit.clock.loop.cancel()  # an epoch's first batch waits for its data loader to start: not a step's loop
 
     @override
     def on_train_batch_start(
@@ -289,7 +289,7 @@ class ElasticTensorSelection(Callback):
         fit.step_at_batch_start = step = trainer.global_step
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0
         if first_of_step:
-            fit.batch_started()
+            fit.clock.batch_started()
         if first_of_step and fit.probe_end is None and (end := fit.schedule.window_end(step)) is not None:
             fit.open_probe(trainer, end)
         for name, value in reporting.progress_metrics(fit.probe_end is not None, fit.mask).items():
@@ -355,8 +355,8 @@ class ElasticTensorSelection(Callback):
         if self._first is not None:
             self._first.timer.start()
         if self._fit is not None:
-            self._fit.step_timer.start()  # validation is the same with and without the callback: not counted
-            self._fit.loop_timer.cancel()
+            self._fit.clock.step.start()  # validation is the same with and without the callback: not counted
+            self._fit.clock.loop.cancel()
 
     # ------------------------------------------------------------------ 4. select and 5. apply
 

@@ -37,7 +37,7 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "warm_optimizer": list(fit.warmup.updates),
         "warm_full": [fit.warmup.full_seconds, fit.warmup.full_steps],
         "probe_full": list(fit.probe_full),
-        "loop_seconds": list(fit.loop_seconds),
+        "loop_seconds": list(fit.clock.loops),
     }
 
 
@@ -81,7 +81,7 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
     seconds, steps = state.get("warm_full", (0.0, 0))
     fit.warmup.full_seconds, fit.warmup.full_steps = float(seconds), int(steps)
     fit.probe_full = [float(s) for s in state.get("probe_full", [])]
-    fit.loop_seconds = [float(s) for s in state.get("loop_seconds", [])]
+    fit.clock.loops = [float(s) for s in state.get("loop_seconds", [])]
     if state.get("plan"):
         restored = WallClockPlan.from_state(state["plan"])
         fit.plan = restored if restored.speedup == fit.plan.speedup else fit.plan

@@ -10,7 +10,6 @@ between the trained tensors' own), and gives the BatchNorm modes it changed back
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -39,7 +38,7 @@ from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.time_model import StepTimeModel
-from lightning_elastic.timing import StepTimer
+from lightning_elastic.timing import StepClock
 from lightning_elastic.windows import FirstWindow
 
 TOTALS = (
@@ -52,9 +51,6 @@ TOTALS = (
     "compiled_graphs",
     "nonfinite_steps",
 )
-# The seconds between two steps (the next batch loaded, the loop, other callbacks: nothing a selection changes) are
-# measured at every step; the time model charges every step their median over the latest LOOP_SAMPLES.
-LOOP_SAMPLES = 32
 
 
 @dataclass
@@ -67,10 +63,7 @@ class FitSession:
     required: Mask
     forbidden: Mask
     evaluator: ImportanceEvaluator
-    step_timer: StepTimer
-    optimizer_timer: StepTimer
-    overhead_timer: StepTimer
-    loop_timer: StepTimer  # from the end of one optimizer step to the start of the next (`loop_seconds`)
+    clock: StepClock  # every optimizer step's seconds, its update's, the callback's own, and the wait for its batch
     bn_policy: BnPolicy
     plan: WallClockPlan
     allreduce: SelectiveAllReduce | None = None
@@ -84,7 +77,6 @@ class FitSession:
     probe_full: list[float] = field(default_factory=list)
     probe_optimizer: list[float] = field(default_factory=list)
     selected_steps: list[float] = field(default_factory=list)
-    loop_seconds: list[float] = field(default_factory=list)  # the latest LOOP_SAMPLES steps' (`loop_timer`)
     step_at_batch_start: int = -1
     warned_starved: bool = False
     warned_nonfinite: bool = False
@@ -126,10 +118,7 @@ class FitSession:
             required=required,
             forbidden=forbidden,
             evaluator=ImportanceEvaluator(params),
-            step_timer=StepTimer(device, clock),
-            optimizer_timer=StepTimer(device, clock),
-            overhead_timer=StepTimer(device, clock),
-            loop_timer=StepTimer(device, clock),
+            clock=StepClock(device, clock),
             bn_policy=bn_policy,
             plan=plan,
             latest=[0.0] * len(params),
@@ -178,7 +167,7 @@ class FitSession:
         if self.probe_end is not None:  # full steps (its update's part is added as it ends), and any skipped before
             self.warmup.full_seconds += seconds
             self.warmup.full_steps += step
-        self.step_timer.start()
+        self.clock.step.start()
 
     # ------------------------------------------------------------------ steps and probe windows
 
@@ -262,24 +251,18 @@ class FitSession:
         refuse_changed(self.params, expected, self.names)
 
     def before_optimizer_step(self) -> None:
-        self.overhead_timer.start()
+        self.clock.own()
         self.evaluator.before_step()
-        self.overhead_timer.stop()
-        self.optimizer_timer.start()
+        self.clock.own_done()
+        self.clock.update()
 
     def after_optimizer_step(self) -> None:
         """Measure the step that just ended (from the end of the one before) and charge it to the plan."""
-        self.optimizer_timer.stop()
-        self.overhead_timer.start()
+        self.clock.update_done()
+        self.clock.own()
         self.evaluator.after_step()
-        self.overhead_timer.stop()
-        self.step_timer.stop()
-        self.step_timer.start()
-        seconds = math.fsum(self.step_timer.pop())
-        overhead = math.fsum(self.overhead_timer.pop())
-        optimizer = math.fsum(self.optimizer_timer.pop())
-        self.loop_seconds = (self.loop_seconds + self.loop_timer.pop())[-LOOP_SAMPLES:]
-        self.loop_timer.start()
+        self.clock.own_done()
+        seconds, overhead, optimizer = self.clock.step_ended()
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1
         if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
@@ -332,17 +315,13 @@ class FitSession:
                     self.latest[k] = value
         self.evaluator.reset()
 
-    def batch_started(self) -> None:
-        """An optimizer step's first batch starts: the seconds since the step before ended are `loop_seconds`."""
-        self.loop_timer.stop()
-
     def probe_figures(self, trainer: L.Trainer) -> tuple[float, float, float]:
         """The full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus
         `prior_update`), its optimizer update (the steady probe steps' mean, else `prior_update`) and its loop (the
-        median of `loop_seconds`, 0 before any), averaged over ranks."""
+        median of the latest measured, `StepClock.loop_seconds`), averaged over ranks."""
         probed = self.probe_optimizer
         optimizer = math.fsum(probed) / len(probed) if probed else self.prior_update
-        loop = statistics.median(self.loop_seconds) if self.loop_seconds else 0.0
+        loop = self.clock.loop_seconds()
         figures = torch.tensor([self.plan.full_step, optimizer, loop], dtype=torch.float64)
         full, optimizer, loop = trainer.strategy.reduce(figures.to(self.params[0].device), reduce_op="mean").tolist()
         return full, optimizer, loop
@@ -417,8 +396,7 @@ class FitSession:
         self.plan.spend_overhead(select_seconds + apply_seconds)
         self.mask = record.mask
         self.history.append(record)
-        self.step_timer.start()
-        self.loop_timer.start()
+        self.clock.restart()
 
     # ------------------------------------------------------------------ the end of the fit
 

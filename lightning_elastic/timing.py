@@ -1,4 +1,5 @@
-"""Wall-clock measurement on the device that runs the work: one clock for training steps and for profiling.
+"""Wall-clock measurement on the device that runs the work: one clock for training steps and for profiling, and the
+clocks of a fit's steps (`StepClock`).
 
 On CPU a monotonic clock is exact. On CUDA, kernels run asynchronously: host clock readings are taken only after
 the device has finished the queued work, and CUDA events are recorded in the stream and read later, so that timing
@@ -7,9 +8,11 @@ a step never stalls the pipeline.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -104,3 +107,85 @@ class StepTimer:
         done = [self._clock.seconds(begin, end) for begin, end in self._pending]
         self._pending.clear()
         return done
+
+
+# The seconds between two steps are measured at every step; their median over the latest LOOP_SAMPLES is the loop.
+LOOP_SAMPLES = 32
+
+
+class StepSeconds(NamedTuple):
+    """One optimizer step as `StepClock.step_ended` measured it: `whole` from the end of the step before (its batch
+    loaded, forward, backward, update, hooks), of which the callback's own work (`overhead`) and the update
+    (`optimizer`)."""
+
+    whole: float
+    overhead: float
+    optimizer: float
+
+
+class StepClock:
+    """The clocks of a fit's optimizer steps, on `device` (`StepTimer`s, so CUDA steps are timed with events).
+
+    Attributes:
+        step: from the end of one optimizer step to the end of the next; restarted after what is not a step's
+            (validation, a selection).
+        optimizer: the optimizer's update.
+        overhead: the callback's own work inside a step.
+        loop: from the end of one step to the start of the next one's first batch (loading it, the loop, other
+            callbacks: nothing a selection changes); `loops` keeps the latest LOOP_SAMPLES.
+
+    Example:
+        >>> ticks = iter([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.5, 1.5])
+        >>> clock = StepClock(torch.device("cpu"), clock=lambda: next(ticks))
+        >>> clock.restart()  # 0.0: a step and its loop start
+        >>> clock.batch_started()  # 0.25: its batch is loaded
+        >>> clock.own(); clock.own_done()  # 0.5-0.75: the callback's own work
+        >>> clock.update(); clock.update_done()  # 1.0-1.25: the update
+        >>> clock.step_ended(), clock.loop_seconds()  # 1.5: the next step and its loop start
+        (StepSeconds(whole=1.5, overhead=0.25, optimizer=0.25), 0.25)
+    """
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.step = StepTimer(device, clock)
+        self.optimizer = StepTimer(device, clock)
+        self.overhead = StepTimer(device, clock)
+        self.loop = StepTimer(device, clock)
+        self.loops: list[float] = []
+
+    def restart(self) -> None:
+        """A step starts now, and the wait for its batch (after a selection, which is not a step's time)."""
+        self.step.start()
+        self.loop.start()
+
+    def batch_started(self) -> None:
+        """An optimizer step's first batch starts: the loop's interval ends."""
+        self.loop.stop()
+
+    def own(self) -> None:
+        """The callback's own work inside a step starts (`own_done` ends it)."""
+        self.overhead.start()
+
+    def own_done(self) -> None:
+        self.overhead.stop()
+
+    def update(self) -> None:
+        """The optimizer's update starts (`update_done` ends it)."""
+        self.optimizer.start()
+
+    def update_done(self) -> None:
+        self.optimizer.stop()
+
+    def step_ended(self) -> StepSeconds:
+        """The step that just ended, as measured; the next one, and its loop, start now."""
+        self.step.stop()
+        self.step.start()
+        seconds = StepSeconds(
+            math.fsum(self.step.pop()), math.fsum(self.overhead.pop()), math.fsum(self.optimizer.pop())
+        )
+        self.loops = (self.loops + self.loop.pop())[-LOOP_SAMPLES:]
+        self.loop.start()
+        return seconds
+
+    def loop_seconds(self) -> float:
+        """The median of the latest loops measured (0 before any)."""
+        return statistics.median(self.loops) if self.loops else 0.0

@@ -582,7 +582,7 @@ def test_a_warming_profile_and_the_wait_between_steps_leave_every_step_predicted
     tiny_trainer(callbacks=[device, callback], max_steps=steps, max_epochs=-1).fit(TinyNet(), tiny_data(samples=4096))
     fit, truth = callback._fit, device.truth
     assert fit is not None and fit.plan.full_step == pytest.approx(truth.full)
-    assert fit.loop_seconds == pytest.approx([device.loading] * len(fit.loop_seconds)) and fit.loop_seconds
+    assert fit.clock.loops == pytest.approx([device.loading] * len(fit.clock.loops)) and fit.clock.loops
     for record in callback.history:
         assert record.decision.predicted_seconds == pytest.approx(truth.predict(record.mask), rel=1e-9)
         assert record.measured_seconds == pytest.approx([truth.predict(record.mask)] * len(record.measured_seconds))
@@ -597,4 +597,4 @@ def test_a_warming_profile_and_the_wait_between_steps_leave_every_step_predicted
     assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
     resumed = session.FitSession.start(TinyNet(), fit.profile, fit.schedule, fit.plan, (), "update", device.clock)
     resume.restore(resumed, resume.fit_state(fit))  # a checkpoint keeps the waits measured so far
-    assert resumed.loop_seconds == fit.loop_seconds
+    assert resumed.clock.loops == fit.clock.loops
