@@ -495,6 +495,22 @@ class AccumulatingDevice(Callback):
         )
 
 
+def assert_predicted_as_measured(callback: ElasticTensorSelection, truth: StepTimeModel) -> None:
+    """Every selection's step predicted and measured as the device's own `truth` costs it (so the correction stays 1
+    and no selection is re-planned), and its mask the exact selector's under those costs for its target."""
+    fit = callback._fit
+    assert fit is not None
+    for record in callback.history:
+        assert record.decision.predicted_seconds == pytest.approx(truth.predict(record.mask), rel=1e-9)
+        assert record.measured_seconds == pytest.approx([truth.predict(record.mask)] * len(record.measured_seconds))
+        reference = decide(
+            truth, record.decision.importance, record.decision.target_seconds, required=fit.required,
+            forbidden=fit.forbidden, resolution=1000,
+        )
+        assert record.mask == reference.mask and not record.decision.starved, record
+    assert fit.plan.correction == pytest.approx(1.0, rel=1e-9) and not any(r.replanned for r in callback.history)
+
+
 def test_with_gradient_accumulation_a_step_is_timed_and_planned_over_all_its_micro_batches() -> None:
     """4 micro-batches an optimizer step, each costing its pass of the trainable set and a loading cost (0 to 0.3 of
     a full pass). The plan's `T` is exactly the sum over a full step's micro-batches, the time model predicts every
@@ -524,15 +540,7 @@ def test_with_gradient_accumulation_a_step_is_timed_and_planned_over_all_its_mic
     ahead = fit.schedule.probe_steps_between(first.step, steps)
     planned = (steps * full / speedup - first.step * full - ahead * full) / (steps - first.step - ahead)
     assert first.decision.target_seconds == pytest.approx(planned, rel=1e-9)
-    for record in callback.history:
-        assert record.decision.predicted_seconds == pytest.approx(truth.predict(record.mask), rel=1e-9)
-        assert record.measured_seconds == pytest.approx([truth.predict(record.mask)] * len(record.measured_seconds))
-        reference = decide(
-            truth, record.decision.importance, record.decision.target_seconds, required=fit.required,
-            forbidden=fit.forbidden, resolution=1000,
-        )
-        assert record.mask == reference.mask and not record.decision.starved, record
-    assert fit.plan.correction == pytest.approx(1.0, rel=1e-9) and not any(r.replanned for r in callback.history)
+    assert_predicted_as_measured(callback, truth)
     assert any(record.mask.count(True) > 2 for record in callback.history)  # not the last bias alone, as before
     summary = callback.summary()
     assert summary["full_fit_seconds"] == pytest.approx(steps * full)
@@ -583,15 +591,7 @@ def test_a_warming_profile_and_the_wait_between_steps_leave_every_step_predicted
     fit, truth = callback._fit, device.truth
     assert fit is not None and fit.plan.full_step == pytest.approx(truth.full)
     assert fit.clock.loops == pytest.approx([device.loading] * len(fit.clock.loops)) and fit.clock.loops
-    for record in callback.history:
-        assert record.decision.predicted_seconds == pytest.approx(truth.predict(record.mask), rel=1e-9)
-        assert record.measured_seconds == pytest.approx([truth.predict(record.mask)] * len(record.measured_seconds))
-        reference = decide(
-            truth, record.decision.importance, record.decision.target_seconds, required=fit.required,
-            forbidden=fit.forbidden, resolution=1000,
-        )
-        assert record.mask == reference.mask and not record.decision.starved, record
-    assert fit.plan.correction == pytest.approx(1.0, rel=1e-9) and not any(r.replanned for r in callback.history)
+    assert_predicted_as_measured(callback, truth)
     summary = callback.summary()
     assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
     assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
