@@ -289,7 +289,7 @@ class ElasticTensorSelection(Callback):
         fit.step_at_batch_start = step = trainer.global_step
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0
         if first_of_step:
-            fit.clock.batch_started()
+            fit.clock.loop.stop()  # the wait for this step's batch ends
         if first_of_step and fit.probe_end is None and (end := fit.schedule.window_end(step)) is not None:
             fit.open_probe(trainer, end)
         for name, value in reporting.progress_metrics(fit.probe_end is not None, fit.mask).items():

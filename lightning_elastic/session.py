@@ -251,17 +251,17 @@ class FitSession:
         refuse_changed(self.params, expected, self.names)
 
     def before_optimizer_step(self) -> None:
-        self.clock.own()
+        self.clock.overhead.start()
         self.evaluator.before_step()
-        self.clock.own_done()
-        self.clock.update()
+        self.clock.overhead.stop()
+        self.clock.optimizer.start()
 
     def after_optimizer_step(self) -> None:
         """Measure the step that just ended (from the end of the one before) and charge it to the plan."""
-        self.clock.update_done()
-        self.clock.own()
+        self.clock.optimizer.stop()
+        self.clock.overhead.start()
         self.evaluator.after_step()
-        self.clock.own_done()
+        self.clock.overhead.stop()
         seconds, overhead, optimizer = self.clock.step_ended()
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1

@@ -138,9 +138,9 @@ class StepClock:
         >>> ticks = iter([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.5, 1.5])
         >>> clock = StepClock(torch.device("cpu"), clock=lambda: next(ticks))
         >>> clock.restart()  # 0.0: a step and its loop start
-        >>> clock.batch_started()  # 0.25: its batch is loaded
-        >>> clock.own(); clock.own_done()  # 0.5-0.75: the callback's own work
-        >>> clock.update(); clock.update_done()  # 1.0-1.25: the update
+        >>> clock.loop.stop()  # 0.25: its batch is loaded
+        >>> clock.overhead.start(); clock.overhead.stop()  # 0.5-0.75: the callback's own work
+        >>> clock.optimizer.start(); clock.optimizer.stop()  # 1.0-1.25: the update
         >>> clock.step_ended(), clock.loop_seconds()  # 1.5: the next step and its loop start
         (StepSeconds(whole=1.5, overhead=0.25, optimizer=0.25), 0.25)
     """
@@ -156,24 +156,6 @@ class StepClock:
         """A step starts now, and the wait for its batch (after a selection, which is not a step's time)."""
         self.step.start()
         self.loop.start()
-
-    def batch_started(self) -> None:
-        """An optimizer step's first batch starts: the loop's interval ends."""
-        self.loop.stop()
-
-    def own(self) -> None:
-        """The callback's own work inside a step starts (`own_done` ends it)."""
-        self.overhead.start()
-
-    def own_done(self) -> None:
-        self.overhead.stop()
-
-    def update(self) -> None:
-        """The optimizer's update starts (`update_done` ends it)."""
-        self.optimizer.start()
-
-    def update_done(self) -> None:
-        self.optimizer.stop()
 
     def step_ended(self) -> StepSeconds:
         """The step that just ended, as measured; the next one, and its loop, start now."""
