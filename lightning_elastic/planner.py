@@ -43,7 +43,7 @@ PAUSED = 2.0
 # tensors and reached 78-92% where static last-k, with a step 0.07 of a full step above that floor, trained 17% of
 # the tensors and reached 94.9% (docs/results.md).
 NARROW_ROOM = 0.05
-# After a selection's first REPLAN_AFTER measured steps, a mean over REPLAN_TOLERANCE off what the plan expected
+# After a selection's first REPLAN_AFTER measured steps, a median over REPLAN_TOLERANCE off what the plan expected
 # re-plans at once, at most REPLANS times in a row (`replan_due`, `session.FitSession.off_plan`).
 REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
 
