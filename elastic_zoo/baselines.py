@@ -72,11 +72,16 @@ def bitfit(module: nn.Module, head: Sequence[str]) -> list[str]:
     ]
 
 
-def last_k_within_budget(profile: TimingProfile, speedup: float, head: Sequence[str] = ()) -> list[str]:
+def last_k_within_budget(
+    profile: TimingProfile, speedup: float, head: Sequence[str] = (), model: StepTimeModel | None = None
+) -> list[str]:
     """The head and the largest suffix of tensors (forward order) whose predicted step fits `1 / speedup` of full.
 
-    The prediction is `StepTimeModel.from_profile(profile)`, the time model the elastic selection optimises; a
-    step training more of the suffix never costs less, so the search stops at the first suffix over the budget.
+    The prediction is `model`, by default `StepTimeModel.from_profile(profile)`: the profiled pass alone, which
+    leaves out what every real step pays besides (the optimizer update, the loop), so the fit runs slower than
+    `speedup` (Fashion-MNIST at 3: 2.09-2.77x, docs/results.md). `StaticLastK` passes the profile calibrated to a
+    measured training step (`StepTimeModel.calibrated`), as the elastic callback's plan does. A step training more
+    of the suffix never costs less, so the search stops at the first suffix over the budget.
 
     Raises:
         ValueError: when `speedup` is not a finite number > 1, or the head alone does not fit the budget (the
@@ -90,7 +95,7 @@ def last_k_within_budget(profile: TimingProfile, speedup: float, head: Sequence[
     """
     if (problem := speedup_problem(speedup)) is not None:
         raise ValueError(problem)
-    model = StepTimeModel.from_profile(profile)
+    model = StepTimeModel.from_profile(profile) if model is None else model
     limit = model.full / speedup
     required = match_patterns(profile.names, head, "head")
     n = len(profile.names)

@@ -16,9 +16,12 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,12 +30,14 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning as _LightningBackboneFinetuning
-from torch import nn
+from torch import Tensor, nn
 
 from elastic_zoo.baselines import LinearFreeze as _LinearFreezeCallback
 from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
 from lightning_elastic import TimingProfile, profile
 from lightning_elastic.arguments import speedup_problem
+from lightning_elastic.time_model import StepTimeModel
+from lightning_elastic.timing import StepTimer
 
 
 @dataclass
@@ -101,7 +106,9 @@ class StaticLastK(FineTuningMethod):
     """The head and the last k tensors whose predicted step fits `1 / static_speedup` of a full step, chosen once.
 
     The choice is made before the fit, from `profile` (a saved timing profile's JSON file) when given, else from
-    a profile taken on one batch of the training set on `accelerator` with `time_model`.
+    a profile taken on one batch of the training set on `accelerator` with `time_model`, calibrated to a training
+    step timed there too (`offline_step`): the pass alone left out the update and the loop, and a "3x" static fit
+    ran at 2.09-2.77x (docs/results.md).
     """
 
     name = "static_last_k"
@@ -118,13 +125,29 @@ class StaticLastK(FineTuningMethod):
         self.profile = profile
 
     def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
+        """The suffix that fits, under the profile calibrated to a training step timed offline (`offline_step`),
+        so that the fit runs at `static_speedup` (the wait for batches is not timed: a fit whose loading is slow
+        runs a little under it); without data (`datamodule` None, a saved profile), under the profile's pass alone.
+
+        Raises:
+            ValueError: with neither a saved `profile` nor a `datamodule` to profile on.
+        """
         started = time.perf_counter()
-        timing = (
-            TimingProfile.from_dict(json.loads(Path(self.profile).read_text()))
-            if self.profile
-            else offline_profile(module, datamodule, self.accelerator, self.time_model)
-        )
-        names = last_k_within_budget(timing, self.static_speedup, self.head)
+        if datamodule is None and not self.profile:
+            raise ValueError(
+                "static_last_k chooses its tensors from a profile of the training step: it needs the training data "
+                "(a datamodule) or a saved profile (`profile`, a JSON file). Found: neither"
+            )
+        batch = None if datamodule is None else first_batch(module, datamodule, self.accelerator)
+        if batch is None or self.profile:
+            timing = TimingProfile.from_dict(json.loads(Path(str(self.profile)).read_text()))
+        else:
+            timing = offline_profile(module, batch, self.time_model)
+        model = None
+        if batch is not None:
+            step, update = offline_step(module, batch)
+            model = StepTimeModel.calibrated(timing, full_step=step, optimizer_seconds=update)
+        names = last_k_within_budget(timing, self.static_speedup, self.head, model)
         return MethodSetup([TrainOnly(names)], float(len(names)), time.perf_counter() - started)
 
 
@@ -160,23 +183,64 @@ class LinearFreeze(FineTuningMethod):
         return MethodSetup([self.callback])
 
 
-def offline_profile(module: nn.Module, datamodule: Any, accelerator: str, time_model: str) -> TimingProfile:
-    """The timing profile the static selection is chosen from, taken before training on the first training images.
-
-    Taken as the elastic callback takes its own: on the training device, on one batch of the training set read
-    without advancing any random state (so training then sees the same batches as every other method).
-    """
+def first_batch(module: nn.Module, datamodule: Any, accelerator: str) -> tuple[Tensor, Tensor]:
+    """The first training batch on the training device (with `module` moved there), read without advancing any
+    random state, so that training then sees the same batches as every other method."""
     device = torch.device("cuda" if accelerator in ("cuda", "gpu") else "cpu")
     module.to(device)
     datamodule.setup("fit")
     loader = datamodule.train_dataloader()
     with torch.random.fork_rng(devices=[]):
         size = min(int(loader.batch_size), len(loader.dataset))
-        images, labels = loader.collate_fn([loader.dataset[i] for i in range(size)])
-    images, labels = images.to(device), labels.to(device)
+        inputs, labels = loader.collate_fn([loader.dataset[i] for i in range(size)])
+    return inputs.to(device), labels.to(device)
+
+
+def offline_profile(module: nn.Module, batch: tuple[Tensor, Tensor], time_model: str) -> TimingProfile:
+    """The timing profile the static selection is chosen from, taken before training on the first training batch,
+    as the elastic callback takes its own."""
+    inputs, labels = batch
     return profile(
         module,
-        lambda: F.cross_entropy(module(images), labels),
+        lambda: F.cross_entropy(module(inputs), labels),
         method="flops" if time_model == "flops" else "measured",
         cache_dir=None,
     )
+
+
+# `offline_step` times this many training steps after leaving out the first OFFLINE_WARMUP (a process's first steps
+# are slower: `lightning_elastic.windows.WARMUP_STEPS`, measured on Lite0 and MiniLM).
+OFFLINE_WARMUP, OFFLINE_STEPS = 4, 3
+
+
+def offline_step(
+    module: nn.Module, batch: tuple[Tensor, Tensor], clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
+    """Seconds of a steady full training step (forward, backward, the module's optimizer update, clearing the
+    gradients) and of its update alone: the median of `OFFLINE_STEPS` steps after `OFFLINE_WARMUP`, each timed on the
+    device (`StepTimer`). They run on a copy of `module` with its own optimizer (`configure_optimizers`), under a
+    forked random state: the module, its data and every method's random draws are as they were.
+
+    Raises:
+        ValueError: when `configure_optimizers` returns anything but one optimizer.
+    """
+    inputs, labels = batch
+    twin = copy.deepcopy(module)
+    optimizer = twin.configure_optimizers()  # type: ignore[operator]
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            "static_last_k times a training step with the module's optimizer: `configure_optimizers` must return "
+            f"one `torch.optim.Optimizer`. Found: {type(optimizer).__name__}"
+        )
+    step, update = StepTimer(inputs.device, clock), StepTimer(inputs.device, clock)
+    cuda = [inputs.device] if inputs.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        for _ in range(OFFLINE_WARMUP + OFFLINE_STEPS):
+            step.start()
+            F.cross_entropy(twin(inputs), labels).backward()
+            update.start()
+            optimizer.step()
+            update.stop()
+            optimizer.zero_grad()
+            step.stop()
+    return statistics.median(step.pop()[OFFLINE_WARMUP:]), statistics.median(update.pop()[OFFLINE_WARMUP:])

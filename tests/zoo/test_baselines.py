@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from elastic_zoo import method
 from elastic_zoo.baselines import (
     LinearFreeze,
     TrainOnly,
@@ -83,6 +86,100 @@ def test_last_k_is_the_longest_suffix_that_fits_the_budget(seed: int) -> None:
             last_k_within_budget(prof, speedup, head)
         return
     assert last_k_within_budget(prof, speedup, head) == list(prof.names[n - max(fitting) :])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_last_k_under_a_calibrated_model_is_the_longest_suffix_its_steps_fit(seed: int) -> None:
+    """A real step pays an update and a loop besides the profiled pass: under the model calibrated to it, the suffix
+    is the longest whose step fits that model's full step over the speedup (brute force), never a longer one than
+    under the pass alone."""
+    rng = random.Random(seed)
+    prof = _random_profile(rng.randint(2, 9), rng)
+    step, update = prof.t_full * rng.uniform(1.0, 1.5), rng.uniform(0.0, 0.1 * prof.t_full)
+    model = StepTimeModel.calibrated(prof, full_step=step + update, optimizer_seconds=update)
+    n, speedup, head = len(prof.names), rng.uniform(1.1, 2.5), [prof.names[-1]]
+    fitting = [k for k in range(1, n + 1) if model.predict([i >= n - k for i in range(n)]) <= model.full / speedup]
+    if not fitting:
+        with pytest.raises(ValueError, match=r"`speedup` must be at most .* Found: "):
+            last_k_within_budget(prof, speedup, head, model)
+        return
+    chosen = last_k_within_budget(prof, speedup, head, model)
+    assert chosen == list(prof.names[n - max(fitting) :])
+    assert len(chosen) <= len(last_k_within_budget(prof, speedup, head))
+
+
+def test_the_pass_alone_overspends_where_the_calibrated_model_fits_the_step() -> None:
+    prof = TimingProfile(
+        names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=1.0, t_full=6.0,
+        device="cpu", fingerprint="f", unused=(), method="measured", numel=(1, 1, 1),
+    )  # fmt: skip
+    # The pass: full 6, at 1.5x a budget of 4 fits {b, c} (1 + 2 + 1 = 4). A measured step of 9 with an update of 1
+    # leaves 2 beyond the pass that every step pays: {b, c} costs 4 + 2 + 2/3 of the update = 6.67 > 9 / 1.5 = 6.
+    model = StepTimeModel.calibrated(prof, full_step=9.0, optimizer_seconds=1.0)
+    assert model.full == 9.0
+    assert last_k_within_budget(prof, 1.5) == ["b", "c"]
+    assert model.predict([False, True, True]) > model.full / 1.5 >= model.predict([False, False, True])
+    assert last_k_within_budget(prof, 1.5, model=model) == ["c"]
+
+
+def test_the_offline_step_is_the_median_of_steady_steps_on_a_copy_that_leaves_everything_as_it_was() -> None:
+    torch.manual_seed(0)
+    module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2, lr=0.1)
+    batch = (torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 0, 1]))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    # Each step reads the clock 4 times: step start, update start, update stop, step stop.
+    steps = [9.0, 7.0, 6.0, 5.0, 2.0, 3.0, 2.5]  # the first OFFLINE_WARMUP are slow and left out
+    updates = [0.5, 0.4, 0.3, 0.3, 0.2, 0.25, 0.1]
+    ticks, now = [], 0.0
+    for full, upd in zip(steps, updates, strict=True):
+        ticks += [now, now + 1.0, now + 1.0 + upd, now + full]
+        now += full + 10.0
+    clock = iter(ticks)
+    state = torch.get_rng_state()
+    assert len(steps) == method.OFFLINE_WARMUP + method.OFFLINE_STEPS
+    assert method.offline_step(module, batch, clock=lambda: next(clock)) == pytest.approx((2.5, 0.2))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+
+
+class _Batches:
+    """What `first_batch` reads of a datamodule: `setup` and a training loader."""
+
+    def __init__(self) -> None:
+        self.data = TensorDataset(torch.randn(8, 3, 16, 16), torch.arange(8) % 2)
+
+    def setup(self, stage: str) -> None:
+        pass
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(self.data, batch_size=4)
+
+
+def test_static_last_k_fits_the_step_it_timed_before_the_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = tuple(n for n, _ in ImageClassifier(tiny_cnn(num_classes=2), num_classes=2).named_parameters())
+    zeros = (0.0,) * len(names)
+    unit = TimingProfile(names=names, t_dw=(1.0,) * len(names), t_dy=zeros, t_fw=0.0, t_full=12.0, device="cpu",
+                         fingerprint="unit", unused=(), method="measured", numel=(1,) * len(names))  # fmt: skip
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(unit.to_dict()))
+    timed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def offline_step(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+        timed.append(batch)
+        return 18.0, 0.0  # 6 units a step besides the 12 of the pass: at 2x, 9 units leave 3 tensors of 1 unit
+
+    monkeypatch.setattr(method, "offline_step", offline_step)
+    module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2)
+    static = StaticLastK("model.10.*", 2.0, "measured", "cpu", profile=str(path))
+    assert static.prepare(module, datamodule=None).trained_tensors == 6  # no data: the pass alone, 6 of 12 units
+    assert not timed
+    assert static.prepare(module, datamodule=_Batches()).trained_tensors == 3
+    assert len(timed) == 1 and timed[0][0].shape == (4, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"needs the training data \(a datamodule\) or a saved profile .* Found: neither"):
+        StaticLastK("model.10.*", 2.0, "measured", "cpu").prepare(module, datamodule=None)
 
 
 def test_last_k_keeps_a_head_that_is_not_at_the_end() -> None:
