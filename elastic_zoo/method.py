@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import json
 import math
 import statistics
 import time
@@ -34,8 +33,9 @@ from torch import Tensor, nn
 
 from elastic_zoo.baselines import LinearFreeze as _LinearFreezeCallback
 from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
-from lightning_elastic import TimingProfile, profile
+from lightning_elastic import TimingProfile, profile, windows
 from lightning_elastic.arguments import speedup_problem
+from lightning_elastic.profiling.profile import read_profile
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
 
@@ -133,16 +133,16 @@ class StaticLastK(FineTuningMethod):
             ValueError: with neither a saved `profile` nor a `datamodule` to profile on.
         """
         started = time.perf_counter()
-        if datamodule is None and not self.profile:
+        batch = None if datamodule is None else first_batch(module, datamodule, self.accelerator)
+        if self.profile:
+            timing = read_profile(Path(self.profile))
+        elif batch is not None:
+            timing = offline_profile(module, batch, self.time_model)
+        else:
             raise ValueError(
                 "static_last_k chooses its tensors from a profile of the training step: it needs the training data "
                 "(a datamodule) or a saved profile (`profile`, a JSON file). Found: neither"
             )
-        batch = None if datamodule is None else first_batch(module, datamodule, self.accelerator)
-        if batch is None or self.profile:
-            timing = TimingProfile.from_dict(json.loads(Path(str(self.profile)).read_text()))
-        else:
-            timing = offline_profile(module, batch, self.time_model)
         model = None
         if batch is not None:
             step, update = offline_step(module, batch)
@@ -199,32 +199,36 @@ def first_batch(module: nn.Module, datamodule: Any, accelerator: str) -> tuple[T
 def offline_profile(module: nn.Module, batch: tuple[Tensor, Tensor], time_model: str) -> TimingProfile:
     """The timing profile the static selection is chosen from, taken before training on the first training batch,
     as the elastic callback takes its own."""
-    inputs, labels = batch
     return profile(
         module,
-        lambda: F.cross_entropy(module(inputs), labels),
+        lambda: batch_loss(module, batch),
         method="flops" if time_model == "flops" else "measured",
         cache_dir=None,
     )
 
 
-# `offline_step` times this many training steps after leaving out the first OFFLINE_WARMUP (a process's first steps
-# are slower: `lightning_elastic.windows.WARMUP_STEPS`, measured on Lite0 and MiniLM).
-OFFLINE_WARMUP, OFFLINE_STEPS = 4, 3
+def batch_loss(module: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """The loss of a training step on `batch`, as static_last_k profiles and times it."""
+    inputs, labels = batch
+    return F.cross_entropy(module(inputs), labels)
+
+
+# `offline_step` times this many training steps after the process's first `windows.WARMUP_STEPS`, which are slower.
+OFFLINE_STEPS = 3
 
 
 def offline_step(
     module: nn.Module, batch: tuple[Tensor, Tensor], clock: Callable[[], float] = time.perf_counter
 ) -> tuple[float, float]:
     """Seconds of a steady full training step (forward, backward, the module's optimizer update, clearing the
-    gradients) and of its update alone: the median of `OFFLINE_STEPS` steps after `OFFLINE_WARMUP`, each timed on the
-    device (`StepTimer`). They run on a copy of `module` with its own optimizer (`configure_optimizers`), under a
+    gradients) and of its update alone: the median of `OFFLINE_STEPS` steps after `windows.WARMUP_STEPS`, each timed
+    on the device (`StepTimer`). They run on a copy of `module` with its own optimizer (`configure_optimizers`), under a
     forked random state: the module, its data and every method's random draws are as they were.
 
     Raises:
         ValueError: when `configure_optimizers` returns anything but one optimizer.
     """
-    inputs, labels = batch
+    device, warmup = batch[0].device, windows.WARMUP_STEPS
     twin = copy.deepcopy(module)
     optimizer = twin.configure_optimizers()  # type: ignore[operator]
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -232,15 +236,14 @@ def offline_step(
             "static_last_k times a training step with the module's optimizer: `configure_optimizers` must return "
             f"one `torch.optim.Optimizer`. Found: {type(optimizer).__name__}"
         )
-    step, update = StepTimer(inputs.device, clock), StepTimer(inputs.device, clock)
-    cuda = [inputs.device] if inputs.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        for _ in range(OFFLINE_WARMUP + OFFLINE_STEPS):
+    step, update = StepTimer(device, clock), StepTimer(device, clock)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for _ in range(warmup + OFFLINE_STEPS):
             step.start()
-            F.cross_entropy(twin(inputs), labels).backward()
+            batch_loss(twin, batch).backward()
             update.start()
             optimizer.step()
             update.stop()
             optimizer.zero_grad()
             step.stop()
-    return statistics.median(step.pop()[OFFLINE_WARMUP:]), statistics.median(update.pop()[OFFLINE_WARMUP:])
+    return statistics.median(step.pop()[warmup:]), statistics.median(update.pop()[warmup:])

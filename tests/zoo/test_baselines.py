@@ -29,6 +29,7 @@ from elastic_zoo.baselines import (
 from elastic_zoo.method import StaticLastK
 from elastic_zoo.models import efficientnet_lite0, tiny_cnn
 from elastic_zoo.module import ImageClassifier
+from lightning_elastic import windows
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.tiny import tiny_trainer
@@ -128,7 +129,7 @@ def test_the_offline_step_is_the_median_of_steady_steps_on_a_copy_that_leaves_ev
     batch = (torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 0, 1]))
     before = {k: v.clone() for k, v in module.state_dict().items()}
     # Each step reads the clock 4 times: step start, update start, update stop, step stop.
-    steps = [9.0, 7.0, 6.0, 5.0, 2.0, 3.0, 2.5]  # the first OFFLINE_WARMUP are slow and left out
+    steps = [9.0, 7.0, 6.0, 5.0, 2.0, 3.0, 2.5]  # the first WARMUP_STEPS are slow and left out
     updates = [0.5, 0.4, 0.3, 0.3, 0.2, 0.25, 0.1]
     ticks, now = [], 0.0
     for full, upd in zip(steps, updates, strict=True):
@@ -136,7 +137,7 @@ def test_the_offline_step_is_the_median_of_steady_steps_on_a_copy_that_leaves_ev
         now += full + 10.0
     clock = iter(ticks)
     state = torch.get_rng_state()
-    assert len(steps) == method.OFFLINE_WARMUP + method.OFFLINE_STEPS
+    assert len(steps) == windows.WARMUP_STEPS + method.OFFLINE_STEPS
     assert method.offline_step(module, batch, clock=lambda: next(clock)) == pytest.approx((2.5, 0.2))
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
