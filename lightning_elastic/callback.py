@@ -8,7 +8,8 @@ The callback is the method's table of contents; each step lives in its own modul
 2. plan     (`planner.WallClockPlan`)         the wall-clock contract: what every step may cost from here on;
 3. probe    (`importance.ImportanceEvaluator`) importance from real updates: of every tensor in probe windows,
                                                 of the trained ones at every other step;
-4. select   (`selector.decide`)               the exact DP under the plan's step target and `time_model`;
+4. select   (`selector.decide`)               the exact DP under the plan's step target and `time_model`
+                                                (`terms.step_terms`), re-planned when steps run off it;
 5. apply    (`freezing`)                      `requires_grad` on or off, so autograd does less work;
 6. inspect  (`reporting`, `inspection`)       what was trained when, and what it cost, to every logger.
 
@@ -49,6 +50,7 @@ from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_supported, fit_schedule, step_profile
 from lightning_elastic.summary import FitSummary, fit_summary
+from lightning_elastic.terms import off_plan, step_terms
 
 STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
 
@@ -334,7 +336,7 @@ class ElasticTensorSelection(Callback):
                 self._select_and_apply(trainer, pl_module)
         elif self._interval_unit == "step" and fit.schedule.selects_at(step):
             self._select_and_apply(trainer, pl_module)
-        elif self._calibrate and fit.off_plan(trainer):
+        elif self._calibrate and off_plan(fit, trainer):
             self._select_and_apply(trainer, pl_module, replanned=True)
 
     @override
@@ -367,7 +369,7 @@ class ElasticTensorSelection(Callback):
         fit.pending_selection = False
         self._close_interval(trainer, fit)
         importance = fit.importance(trainer)
-        terms = fit.step_terms(trainer, self._calibrate)
+        terms = step_terms(fit, trainer, self._calibrate)
         pins = (fit.required, fit.forbidden)
         decision = decide(
             terms.model, importance, terms.target, required=pins[0], forbidden=pins[1], resolution=self._resolution

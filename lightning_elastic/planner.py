@@ -44,7 +44,7 @@ PAUSED = 2.0
 # the tensors and reached 94.9% (docs/results.md).
 NARROW_ROOM = 0.05
 # After a selection's first REPLAN_AFTER measured steps, a median over REPLAN_TOLERANCE off what the plan expected
-# re-plans at once, at most REPLANS times in a row (`replan_due`, `session.FitSession.off_plan`).
+# re-plans at once, at most REPLANS times in a row (`replan_due`, `terms.off_plan`).
 REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
 
 

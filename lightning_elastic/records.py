@@ -101,7 +101,7 @@ class SelectionRecord:
         decision: the decision.
         full_seconds: the full training step's seconds that the decision was made against.
         measured_seconds: the measured seconds of every step trained under it (filled when its interval closes).
-        replanned: True when it replaced a selection whose first steps measured off the plan (`FitSession.off_plan`),
+        replanned: True when it replaced a selection whose first steps measured off the plan (`terms.off_plan`),
             not at a scheduled selection.
 
     Example:

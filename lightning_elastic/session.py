@@ -9,8 +9,6 @@ between the trained tensors' own), and gives the BatchNorm modes it changed back
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -32,9 +30,9 @@ from lightning_elastic.freezing import (
     refuse_changed,
 )
 from lightning_elastic.importance import ImportanceEvaluator
-from lightning_elastic.planner import REPLAN_AFTER, REPLANS, Reach, WallClockPlan, reach, reach_shortening, replan_due
+from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
 from lightning_elastic.profiling import TimingProfile
-from lightning_elastic.records import Mask, SelectionRecord, StepTerms
+from lightning_elastic.records import Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
@@ -315,59 +313,6 @@ class FitSession:
                 if count:
                     self.latest[k] = value
         self.evaluator.reset()
-
-    def probe_figures(self, trainer: L.Trainer) -> tuple[float, float, float]:
-        """The full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus
-        `prior_update`), its optimizer update (the steady probe steps' mean, else `prior_update`) and its loop (the
-        median of the latest measured, `StepClock.loop_seconds`), averaged over ranks."""
-        probed = self.probe_optimizer
-        optimizer = math.fsum(probed) / len(probed) if probed else self.prior_update
-        loop = self.clock.loop_seconds()
-        figures = torch.tensor([self.plan.full_step, optimizer, loop], dtype=torch.float64)
-        full, optimizer, loop = trainer.strategy.reduce(figures.to(self.params[0].device), reduce_op="mean").tolist()
-        return full, optimizer, loop
-
-    def target(self, trainer: L.Trainer, step: int) -> float:
-        """The plan's step target until the horizon, averaged over ranks so that every rank decides alike."""
-        if self.plan.total_steps is not None:
-            horizon = self.plan.total_steps
-        else:
-            period = self.schedule.period
-            previous = step - self.history[-1].step if self.history else step
-            horizon = step + (int(period) if math.isfinite(period) else max(previous, 1))
-        ahead = self.schedule.probe_steps_between(step, horizon)
-        target = self.plan.target(step, horizon, ahead)
-        value = torch.tensor([target], dtype=torch.float64, device=self.params[0].device)
-        return float(trainer.strategy.reduce(value, reduce_op="mean").item())
-
-    def step_terms(self, trainer: L.Trainer, calibrate: bool) -> StepTerms:
-        """The plan's figures and target under `calibrate` (planned even before any steady full step is measured: a
-        window of warm-up steps only leaves the profile's `T`); else the profile's step over the speedup."""
-        prof = self.profile
-        if calibrate:
-            full, optimizer, loop = self.probe_figures(trainer)
-            target = self.target(trainer, trainer.global_step)
-            return StepTerms(StepTimeModel.calibrated(prof, full, optimizer, loop), full, optimizer, target, loop)
-        return StepTerms(StepTimeModel.from_profile(prof), prof.t_full, 0.0, prof.t_full / self.plan.speedup)
-
-    def off_plan(self, trainer: L.Trainer) -> bool:
-        """Whether to re-plan now: the selection in force measured its first `REPLAN_AFTER` steps, it is not the
-        `REPLANS`-th re-plan in a row, `2 * REPLAN_AFTER` steps or more are left before the schedule changes the
-        trainable set anyway, and `planner.replan_due` says so of their median's measured / expected ratio (averaged
-        over ranks, so that every rank decides alike). The median, because one slow step among four (the first after
-        a switch took 0.36 s against 0.20 s for the next ones on Fashion-MNIST) moves a mean by a fifth: past the
-        tolerance, for a selection that runs as planned. A re-plan may keep the mask (the target moved too little)."""
-        if self.probe_end is not None or not self.history or len(self.selected_steps) != REPLAN_AFTER:
-            return False
-        if all(r.replanned for r in self.history[-REPLANS:]) and len(self.history) >= REPLANS:
-            return False
-        if self.schedule.steps_to_next_change(trainer.global_step) < 2 * REPLAN_AFTER:
-            return False
-        decision = self.history[-1].decision
-        expected = self.plan.expected(decision.predicted_seconds)
-        local = torch.tensor([statistics.median(self.selected_steps) / expected], dtype=torch.float64)
-        ratio = float(trainer.strategy.reduce(local.to(self.params[0].device), reduce_op="mean").item())
-        return replan_due(ratio, decision, self.forbidden)
 
     # ------------------------------------------------------------------ a selection comes into force
 
