@@ -47,8 +47,15 @@ __all__ = [
 # 1.7 s.
 PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
 # `time_model="auto"` measures the profile when that costs at most this share of the planned fit (the fit's own-time
-# target), else takes the analytic one.
+# target), else takes the analytic one ...
 PROFILE_SHARE = 0.05
+# ... a share that shrinks, above 2x, with the room a selected step has above the forward pass every step pays (about
+# this share of a full step: backward about twice the forward; Lite0 on Fashion-MNIST, the head alone 0.28-0.30 of a
+# full step), against that room at 2x (`ProfileChoice.room`). At 3x there is none to spare: on Fashion-MNIST's 400-step
+# fit the measured profile took 3.0-5.0 s of the 7-9 s its selections had above the head alone, and 3 of 8 first runs
+# trained the head and little more (70-73%); with the analytic one (0.9-2.9 s) 8 of 8 reached 75.5-83.3%, the same mean
+# within the spread (docs/results.md, 2026-11-27).
+FORWARD_SHARE = 1 / 3
 
 
 class ProfileChoice(NamedTuple):
@@ -64,23 +71,38 @@ class ProfileChoice(NamedTuple):
         cls, time_model: TimeModel, total_steps: int | None, speedup: float, first_step: bool = False
     ) -> ProfileChoice:
         """`time_model`, or for "auto" the measured model when its first profile (`steps`) costs at most
-        `PROFILE_SHARE` of the fit's planned `total_steps / speedup` full steps (always when the length is unknown),
-        else the analytic one ("flops"); a measured profile already in the cache is used either way
-        (`measure_profile`).
+        `PROFILE_SHARE` of the fit's planned `total_steps / speedup` full steps, times `room(speedup)` (always when the
+        length is unknown), else the analytic one ("flops"); a measured profile already in the cache is used either
+        way (`measure_profile`).
 
         Example:
             >>> ProfileChoice.of("auto", 280, 2.0).method, ProfileChoice.of("auto", 279, 2.0).method
             ('measured', 'flops')
             >>> ProfileChoice.of("auto", 240, 2.0, first_step=True).method  # the first step is its first pass
             'measured'
+            >>> ProfileChoice.of("auto", 400, 3.0, first_step=True).method  # no room above the forward pass
+            'flops'
             >>> ProfileChoice.of("auto", None, 2.0).method, ProfileChoice.of("measured", 10, 2.0)
             ('measured', ProfileChoice(method='measured', auto=False, first_step=False))
         """
         if time_model != "auto":
             return cls(time_model, auto=False, first_step=first_step)
         measured = cls("measured", auto=True, first_step=first_step)
-        affordable = total_steps is None or measured.steps <= PROFILE_SHARE * total_steps / speedup
+        budget = PROFILE_SHARE * cls.room(speedup) * (total_steps or 0) / speedup + 1e-9  # within rounding: 750 at 2.5x
+        affordable = total_steps is None or measured.steps <= budget
         return measured if affordable else cls("flops", auto=True, first_step=first_step)
+
+    @staticmethod
+    def room(speedup: float) -> float:
+        """The room a selected step has above the forward pass (`1 / speedup - FORWARD_SHARE` of a full step) against
+        that room at 2x, at most 1: where "auto"'s `PROFILE_SHARE` holds in full (at 2x and below), where it shrinks,
+        and where nothing is left for a measured profile (3x and above).
+
+        Example:
+            >>> [round(ProfileChoice.room(s), 2) for s in (1.5, 2.0, 2.5, 3.0, 4.0)]
+            [1.0, 1.0, 0.4, 0.0, 0.0]
+        """
+        return min(1.0, max(0.0, (1 / speedup - FORWARD_SHARE) / (1 / 2 - FORWARD_SHARE)))
 
     @property
     def steps(self) -> int:
@@ -88,18 +110,22 @@ class ProfileChoice(NamedTuple):
         that is the profile's first pass."""
         return PROFILE_STEPS[self.method] - int(self.first_step)
 
-    def announce(self, module: nn.Module) -> None:
+    def announce(self, module: nn.Module, speedup: float) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model."""
         count = sum(p.requires_grad for p in module.parameters())
         when = "after the first training step's backward pass" if self.first_step else "on the first batch"
         what = "with the analytic time model (op counts, one timed step)" if self.method == "flops" else "measured"
         why = ""
         if self.auto and self.method == "flops":
-            measured = self._replace(method="measured")
-            why = (
-                f"; time_model='auto': a measured profile (about {measured.steps} training steps) would be "
-                f"more than {PROFILE_SHARE:.0%} of this fit; time_model='measured' measures anyway"
-            )
+            room, steps = self.room(speedup), self._replace(method="measured").steps
+            cost = f"; time_model='auto': a measured profile (about {steps} training steps)"
+            if room == 0.0:
+                why = f"{cost} would eat the little room a selected step has above the forward pass at {speedup:g}x"
+            else:
+                why = f"{cost} would be more than {PROFILE_SHARE * room:.0%} of this fit"
+                if room < 1.0:
+                    why += f" ({PROFILE_SHARE:.0%}, scaled to the room a selected step has above the forward pass)"
+            why += "; time_model='measured' measures anyway"
         rank_zero_info(
             f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {self.steps} training steps, "
             f"more on a busy machine; a cached profile of this model on this device is used instead when there is "

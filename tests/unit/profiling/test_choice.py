@@ -12,14 +12,16 @@ from lightning_elastic.profiling.harness import ProfileChoice
 
 
 @pytest.mark.parametrize("first_step", [False, True])
-@pytest.mark.parametrize("speedup", [1.5, 2.0, 3.0])
+@pytest.mark.parametrize("speedup", [1.5, 2.0, 2.25, 2.5, 2.8])
 def test_auto_measures_the_profile_where_it_costs_at_most_its_share_of_the_planned_fit(
     speedup: float, first_step: bool
 ) -> None:
     """The measured profile's steps (one fewer when the fit's first step is its first pass) against `PROFILE_SHARE`
-    of the planned full steps `N / s`, by brute force."""
+    of the planned full steps `N / s`, scaled above 2x by the room a selected step has above the forward pass
+    (`1 / s - FORWARD_SHARE`) against that room at 2x, by brute force."""
     steps, share = harness.PROFILE_STEPS["measured"] - first_step, harness.PROFILE_SHARE
-    shortest = next(n for n in range(1, 10_000) if steps / (n / speedup) <= share + 1e-12)
+    room = min(1.0, (1 / speedup - harness.FORWARD_SHARE) / (1 / 2 - harness.FORWARD_SHARE))
+    shortest = next(n for n in range(1, 100_000) if steps <= share * room * n / speedup + 1e-9)
     of = ProfileChoice.of
     assert of("auto", shortest, speedup, first_step) == ("measured", True, first_step)
     assert of("auto", shortest - 1, speedup, first_step) == ("flops", True, first_step)
@@ -27,6 +29,16 @@ def test_auto_measures_the_profile_where_it_costs_at_most_its_share_of_the_plann
     for asked in ("measured", "flops"):
         assert of(asked, 1, speedup, first_step) == (asked, False, first_step)  # explicit: held at any length
         assert of(asked, 10**6, speedup, first_step) == (asked, False, first_step)
+
+
+@pytest.mark.parametrize("speedup", [3.0, 4.0, 10.0])
+def test_auto_takes_the_analytic_profile_at_3x_and_above_however_long_the_fit(speedup: float) -> None:
+    """From 3x a selected step has no room above the forward pass (a third of a full step) to pay a measured profile
+    from; an unknown length still measures (a long fit), and an explicit `measured` is held."""
+    for first_step in (False, True):
+        assert ProfileChoice.of("auto", 10**7, speedup, first_step).method == "flops"
+        assert ProfileChoice.of("auto", None, speedup, first_step).method == "measured"
+        assert ProfileChoice.of("measured", 10**7, speedup, first_step).method == "measured"
 
 
 def test_the_documented_boundary_holds() -> None:
@@ -37,6 +49,9 @@ def test_the_documented_boundary_holds() -> None:
     assert ProfileChoice.of("auto", 280, 2.0).method == "measured"
     assert ProfileChoice.of("auto", 279, 2.0).method == "flops"
     assert ProfileChoice.of("auto", 90, 2.0, first_step=True).method == "flops"
+    assert ProfileChoice.of("auto", 750, 2.5, first_step=True).method == "measured"  # 6 <= 0.05 x 0.4 x 300
+    assert ProfileChoice.of("auto", 749, 2.5, first_step=True).method == "flops"
+    assert ProfileChoice.of("auto", 400, 3.0, first_step=True).method == "flops"  # Fashion-MNIST's fit at 3x
 
 
 def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analytic_model(
@@ -50,11 +65,16 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     module = Module()
     module.b.bias.requires_grad_(False)
     with caplog.at_level(logging.INFO):
-        ProfileChoice.of("auto", 90, 2.0, first_step=True).announce(module)
-        ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module)
+        ProfileChoice.of("auto", 90, 2.0, first_step=True).announce(module, 2.0)
+        ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0)
+        ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5)
+        ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0)
     said = [r.getMessage() for r in caplog.records]
     steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
     assert f"analytic time model (op counts, one timed step) (about {steps['flops'] - 1} training steps" in said[0]
     assert f"time_model='auto': a measured profile (about {steps['measured'] - 1} training steps)" in said[0]
+    assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
     assert f"measured (about {steps['measured']} training steps" in said[1] and "time_model='auto'" not in said[1]
+    assert "would be more than 2% of this fit (5%, scaled to the room a selected step has above the forward" in said[2]
+    assert "would eat the little room a selected step has above the forward pass at 3x" in said[3]
