@@ -52,8 +52,8 @@ PROFILE_SHARE = 0.05
 # ... a share that shrinks, above 2x, with the room a selected step has above the forward pass every step pays (about
 # this share of a full step: backward about twice the forward; Lite0 on Fashion-MNIST, the head alone 0.28-0.30 of a
 # full step), against that room at 2x (`ProfileChoice.room`). At 3x there is none to spare: on Fashion-MNIST's 400-step
-# fit the measured profile took 3.0-5.0 s of the 7-9 s its selections had above the head alone, and 3 of 8 first runs
-# trained the head and little more (70-73%); with the analytic one (0.9-2.9 s) 8 of 8 reached 75.5-83.3%, the same mean
+# fit the measured profile took 3.0-5.0 s of the 7-12 s its selections had above the head alone, and 3 of 8 first runs
+# trained the head and little more (70-73%); with the analytic one (0.9-3.2 s) 8 of 8 reached 75.5-83.3%, the same mean
 # within the spread (docs/results.md, 2026-11-27).
 FORWARD_SHARE = 1 / 3
 
