@@ -77,6 +77,7 @@ class FitSession:
     probe_optimizer: list[float] = field(default_factory=list)
     selected_steps: list[float] = field(default_factory=list)
     step_at_batch_start: int = -1
+    shown: dict[str, float] = field(default_factory=dict)  # what the progress bar shows (`reporting.progress_metrics`)
     warned_starved: bool = False
     warned_nonfinite: bool = False
     warming: bool = False  # the next step is the first with a new trainable set of a compiled module: not a sample
