@@ -36,6 +36,7 @@ from lightning_elastic.records import Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
+from lightning_elastic.terms import mean_over_ranks
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepClock
 from lightning_elastic.windows import FirstWindow
@@ -308,9 +309,8 @@ class FitSession:
                 self.warned_nonfinite = True
                 rank_zero_warn(nonfinite_warning(self.names, dropped))
         if any(counts):
-            device = self.params[0].device
-            per_step = trainer.strategy.reduce(self.evaluator.per_step.to(device), reduce_op="mean").double().cpu()
-            for k, (value, count) in enumerate(zip(per_step.tolist(), counts, strict=True)):
+            per_step = mean_over_ranks(trainer, self.evaluator.per_step.tolist(), self.params[0].device)
+            for k, (value, count) in enumerate(zip(per_step, counts, strict=True)):
                 if count:
                     self.latest[k] = value
         self.evaluator.reset()

@@ -37,20 +37,18 @@ def step_terms(fit: FitSession, trainer: L.Trainer, calibrate: bool) -> StepTerm
     prof = fit.profile
     if not calibrate:
         return StepTerms(StepTimeModel.from_profile(prof), prof.t_full, 0.0, prof.t_full / fit.plan.speedup)
-    full, optimizer, loop = probe_figures(fit, trainer)
-    target = mean_over_ranks(trainer, [_local_target(fit, trainer.global_step)], fit.params[0].device)[0]
+    figures = [*_local_figures(fit), _local_target(fit, trainer.global_step)]
+    full, optimizer, loop, target = mean_over_ranks(trainer, figures, fit.params[0].device)  # one collective
     return StepTerms(StepTimeModel.calibrated(prof, full, optimizer, loop), full, optimizer, target, loop)
 
 
-def probe_figures(fit: FitSession, trainer: L.Trainer) -> tuple[float, float, float]:
-    """The full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus
+def _local_figures(fit: FitSession) -> tuple[float, float, float]:
+    """This rank's full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus
     `prior_update`), its optimizer update (the steady probe steps' mean, else `prior_update`) and its loop (the
-    median of the latest measured, `StepClock.loop_seconds`), averaged over ranks."""
+    median of the latest measured, `StepClock.loop_seconds`)."""
     probed = fit.probe_optimizer
     optimizer = math.fsum(probed) / len(probed) if probed else fit.prior_update
-    figures = [fit.plan.full_step, optimizer, fit.clock.loop_seconds()]
-    full, optimizer, loop = mean_over_ranks(trainer, figures, fit.params[0].device)
-    return full, optimizer, loop
+    return fit.plan.full_step, optimizer, fit.clock.loop_seconds()
 
 
 def _local_target(fit: FitSession, step: int) -> float:
