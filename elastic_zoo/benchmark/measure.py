@@ -128,6 +128,7 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
         validation_seconds=record.validation_seconds,
         steps=len(record.step_seconds),
         mean_step_seconds=mean_or_nan(record.step_seconds),
+        step_seconds=record.step_seconds,  # every training batch, in order: where a fit's time went
         curve=[asdict(p) for p in record.curve],
         test={f"test/{m}": float(tested[0].get(f"test/{m}", math.nan)) if tested else math.nan for m in METRICS},
         val_images=val_images,
