@@ -515,6 +515,7 @@ def test_tiny_benchmark_runs_every_method_and_writes_sane_results(tmp_path: Path
         assert runs[name]["selection_map"] == str(run / "runs" / f"{name}_seed_0_selection_map.png")
     for r in runs.values():
         steps = r["steps"] * r["mean_step_seconds"]
+        assert len(r["step_seconds"]) == r["steps"] and sum(r["step_seconds"]) == pytest.approx(steps)
         assert r["steps"] == 8 and 0 < steps + r["validation_seconds"] < r["wall_seconds"]
         # benchmark.yaml holds out a quarter (60 of the 240 training images), tiny.yaml evaluates 2 batches of 16
         assert (r["val_images"], r["test_images"]) == (32, 32)
