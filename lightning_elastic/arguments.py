@@ -1,5 +1,6 @@
-"""The callback's arguments checked: all at once by its constructor (`constructor_problems`), and the numbers again by
-types that check themselves, so that a command-line parser refuses a bad value with the constructor's message.
+"""The callback's arguments checked: all at once by its constructor (`Settings.checked`, which says every
+`constructor_problems` at once and is the callback's record of them), and the numbers again by types that check
+themselves, so that a command-line parser refuses a bad value with the constructor's message.
 
 LightningCLI (jsonargparse) checks each argument against its annotation as it parses, and exits with a one-line
 error; the constructor's own checks run later, when LightningCLI instantiates the callback, and end in a stack
@@ -15,13 +16,15 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from numpy import bool_ as np_bool
 
 from lightning_elastic.errors import ElasticConfigError, is_positive_int
-from lightning_elastic.freezing import BN_POLICIES
+from lightning_elastic.freezing import BN_POLICIES, BnPolicy
 from lightning_elastic.profiling import TimeModel, TimingProfile
 from lightning_elastic.schedule import IntervalUnit
 
@@ -100,6 +103,51 @@ def constructor_problems(
     if not callable(clock):
         problems.append(f"`clock` must be a callable returning seconds. Found: {clock!r}")
     return problems
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The callback's arguments once checked (each is described in `ElasticTensorSelection`'s docstring).
+
+    Example:
+        >>> Settings.checked(speedup=3, interval=2).speedup, Settings.checked().interval_unit
+        (3.0, 'epoch')
+        >>> Settings.checked(speedup=0.5, resolution=0)
+        Traceback (most recent call last):
+        ...
+        lightning_elastic.errors.ElasticConfigError: `speedup` must be a finite number > 1. Found: 0.5; \
+`resolution` must be a positive int. Found: 0
+    """
+
+    speedup: float = 2.0
+    interval: int = 1
+    interval_unit: IntervalUnit = "epoch"
+    probe_steps: int | Literal["auto"] = "auto"
+    time_model: TimeModel = "auto"
+    train_always: tuple[str, ...] = ()
+    train_never: tuple[str, ...] = ()
+    bn_policy: BnPolicy = "update"
+    resolution: int = 1000
+    cache_dir: str | os.PathLike[str] | Literal[False] | None = None
+    profile: TimingProfile | str | os.PathLike[str] | None = None
+    calibrate: bool = True
+    log_images: bool = True
+    clock: Callable[[], float] = time.perf_counter
+
+    @classmethod
+    def checked(cls, **arguments: Any) -> Settings:
+        """The settings of these arguments (the others at their defaults), every problem said at once.
+
+        Raises:
+            ElasticConfigError: naming each argument that is not allowed, what is allowed and what was given.
+        """
+        given = {**{name: getattr(cls, name) for name in cls.__dataclass_fields__}, **arguments}
+        if problems := constructor_problems(**given):
+            raise ElasticConfigError("; ".join(problems))
+        numbers_ = {"speedup": float(given["speedup"]), "interval": int(given["interval"])}
+        flags = {name: bool(given[name]) for name in ("calibrate", "log_images")}
+        patterns = {name: tuple(given[name]) for name in ("train_always", "train_never")}
+        return cls(**{**given, **numbers_, **flags, **patterns, "resolution": int(given["resolution"])})
 
 
 def _parsed(value: object, parse: Callable[[str], object]) -> object:

@@ -34,14 +34,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_elastic import reporting, resume
-from lightning_elastic.arguments import PositiveInt, Speedup, constructor_problems
+from lightning_elastic.arguments import PositiveInt, Settings, Speedup
 from lightning_elastic.distributed import install_selective_allreduce
-from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import BnPolicy, UserState, freeze_never
 from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimeModel, TimingProfile
-from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
+from lightning_elastic.profiling.cache import resolve_cache_dir
 from lightning_elastic.profiling.harness import FirstStep, ProfileChoice, measure_profile
 from lightning_elastic.profiling.reuse import reusable_profile
 from lightning_elastic.records import SelectionRecord
@@ -116,29 +115,13 @@ class ElasticTensorSelection(Callback):
         log_images: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        problems = constructor_problems(
+        self._settings = Settings.checked(
             speedup=speedup, interval=interval, interval_unit=interval_unit, probe_steps=probe_steps,
             time_model=time_model, train_always=train_always, train_never=train_never, bn_policy=bn_policy,
             resolution=resolution, cache_dir=cache_dir, profile=profile, calibrate=calibrate, log_images=log_images,
             clock=clock,
-        )
-        if problems:
-            raise ElasticConfigError("; ".join(problems))
-        self._speedup = float(speedup)
-        self._interval = int(interval)
-        self._interval_unit: IntervalUnit = interval_unit
-        self._probe_steps = probe_steps
-        self._time_model: TimeModel = time_model
+        )  # fmt: skip
         self._choice = ProfileChoice("measured", auto=False)  # this fit's time model (`ProfileChoice.of`)
-        self._train_always = tuple(train_always)
-        self._train_never = tuple(train_never)
-        self._bn_policy: BnPolicy = bn_policy
-        self._resolution = int(resolution)
-        self._cache_dir = cache_dir
-        self._given_profile = profile
-        self._calibrate = bool(calibrate)
-        self._log_images = bool(log_images)
-        self._clock = clock
         self._profile: TimingProfile | None = None  # carries from fit to fit on purpose (same model: no re-profiling)
         self._fit: FitSession | None = None
         self._first: FirstStep | None = None  # the fit's first step, while it is still to provide the profile
@@ -148,7 +131,8 @@ class ElasticTensorSelection(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(speedup=self._speedup, interval=self._interval, unit=self._interval_unit)
+        speedup, interval, unit = self._settings.speedup, self._settings.interval, self._settings.interval_unit
+        return self._generate_state_key(speedup=speedup, interval=interval, unit=unit)
 
     @property
     def timing_profile(self) -> TimingProfile | None:
@@ -168,9 +152,9 @@ class ElasticTensorSelection(Callback):
         """The fit so far against full fine-tuning, where the callback's time went, and what was trained most."""
         fit, profile = self._fit, self._profile
         if fit is None or profile is None:
-            return fit_summary((), None, {}, (), (), self._speedup)
+            return fit_summary((), None, {}, (), (), self._settings.speedup)
         names, numel = profile.names, profile.numel
-        speedup, probe_steps, contract = self._speedup, self._probe_steps, self._calibrate
+        speedup, probe_steps, contract = self._settings.speedup, self._settings.probe_steps, self._settings.calibrate
         return fit_summary(fit.history, fit.plan, fit.totals, names, numel, speedup, probe_steps, contract)
 
     def selection_map(self) -> np.ndarray | None:
@@ -179,7 +163,7 @@ class ElasticTensorSelection(Callback):
         if fit is None or profile is None or not fit.history:
             return None
         pins = (fit.required, fit.forbidden)
-        return selection_map(fit.history, profile.names, profile.numel, *pins, axis=self._interval_unit)
+        return selection_map(fit.history, profile.names, profile.numel, *pins, axis=self._settings.interval_unit)
 
     # ------------------------------------------------------------------ checks that need the trainer
 
@@ -193,24 +177,25 @@ class ElasticTensorSelection(Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._fit, self._first, self._user = None, None, UserState()  # each fit starts clean
-        unit, probe_steps = self._interval_unit, self._probe_steps
-        self._schedule = fit_schedule(trainer, self._interval, unit, probe_steps, self._speedup)
+        settings = self._settings
+        unit, probe_steps = settings.interval_unit, settings.probe_steps
+        self._schedule = fit_schedule(trainer, settings.interval, unit, probe_steps, settings.speedup)
         if self._schedule[0] is None:
             return
-        started = self._clock()
-        self._user = freeze_never(pl_module, self._train_always, self._train_never, self._bn_policy)  # before any pass
+        started = settings.clock()
+        self._user = freeze_never(pl_module, settings.train_always, settings.train_never, settings.bn_policy)  # first
         restored = self._restored.get("profile") if self._restored else None
         first_step = self._restored is None and FirstStep.applies(trainer, pl_module)
-        self._choice = choice = ProfileChoice.of(self._time_model, self._schedule[1], self._speedup, first_step)
-        prof = reusable_profile(trainer, pl_module, self._given_profile, restored, self._profile, choice)
+        self._choice = choice = ProfileChoice.of(settings.time_model, self._schedule[1], settings.speedup, first_step)
+        prof = reusable_profile(trainer, pl_module, settings.profile, restored, self._profile, choice)
         timed = False
         if prof is None:
-            choice.announce(pl_module, self._speedup)
+            choice.announce(pl_module, settings.speedup)
             if first_step:
-                self._first = FirstStep(pl_module.device, self._clock, self._clock() - started)  # see FirstStep
+                self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started)  # see FirstStep
                 return
-            prof, timed = measure_profile(trainer, pl_module, choice, resolve_cache_dir(self._cache_dir))
-        fit = self._begin(trainer, pl_module, prof, self._clock() - started, timed)
+            prof, timed = measure_profile(trainer, pl_module, choice, resolve_cache_dir(settings.cache_dir))
+        fit = self._begin(trainer, pl_module, prof, settings.clock() - started, timed)
         # A fit resumed mid-epoch (where `every_n_train_steps` checkpoints are) gets no `on_train_epoch_start` before
         # its first step: its step is timed, and the restored selection's BatchNorm modes are set, from here.
         fit.clock.step.start()
@@ -223,9 +208,10 @@ class ElasticTensorSelection(Callback):
             first.timer.start()  # no backward pass ran (`training_step` returned None): the next step is the first
             return
         self._first = None
-        started = self._clock()
-        prof, timed = measure_profile(trainer, pl_module, self._choice, resolve_cache_dir(self._cache_dir), first)
-        fit = self._begin(trainer, pl_module, prof, self._clock() - started + first.setup_seconds, timed)
+        clock, cache_dir = self._settings.clock, resolve_cache_dir(self._settings.cache_dir)
+        started = clock()
+        prof, timed = measure_profile(trainer, pl_module, self._choice, cache_dir, first)
+        fit = self._begin(trainer, pl_module, prof, clock() - started + first.setup_seconds, timed)
         fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
 
     def _begin(
@@ -242,24 +228,25 @@ class ElasticTensorSelection(Callback):
         otherwise drop them: a resumed fit pays for its own start. A process that did not time the profile (`timed`
         False: a cached, given or restored one) is cold, and its first window may run on (`windows.FirstWindow`).
         """
-        started = self._clock()
+        settings = self._settings
+        started = settings.clock()
         schedule, total_steps = self._schedule
         assert schedule is not None
         self._profile = prof
         step = step_profile(trainer, prof)  # an optimizer step runs the pass on every micro-batch
-        plan = WallClockPlan(self._speedup, total_steps, full_step=step.t_full)
-        fit = FitSession.start(pl_module, step, schedule, plan, self._train_always, self._bn_policy, self._clock)
+        plan = WallClockPlan(settings.speedup, total_steps, full_step=step.t_full)
+        fit = FitSession.start(pl_module, step, schedule, plan, settings)
         self._fit = fit
         fit.warmup.cold = not timed
-        limit = fit.reach(profile_seconds, self._calibrate)
-        if (warning := limit.check(self._speedup)) is not None:  # raises if out of reach even with a cached profile
+        limit = fit.reach(profile_seconds, settings.calibrate)
+        if (warning := limit.check(settings.speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)
         resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
         cold = fit.warmup.cold and fit.in_first_window  # a process resumed after its first selection runs on no window
-        reporting.announce(trainer, prof, self._speedup, total_steps, fit.schedule, cold)
-        fit.charge_start(profile_seconds + self._clock() - started)
+        reporting.announce(trainer, prof, settings.speedup, total_steps, fit.schedule, cold)
+        fit.charge_start(profile_seconds + settings.clock() - started)
         return fit
 
     # ------------------------------------------------------------------ 3. probe: windows, and importance at every step
@@ -273,7 +260,7 @@ class ElasticTensorSelection(Callback):
         fit.check_trainable()
         fit.clock.step.start()
         step = trainer.global_step
-        if fit.pending_selection or (self._interval_unit == "epoch" and fit.schedule.selects_at(step)):
+        if fit.pending_selection or (self._settings.interval_unit == "epoch" and fit.schedule.selects_at(step)):
             self._select_and_apply(trainer, pl_module)
         elif fit.schedule.opens_at_epoch_start(trainer.current_epoch) and fit.probe_end is None:
             fit.open_probe(trainer, step + fit.schedule.probe_steps)
@@ -328,19 +315,11 @@ class ElasticTensorSelection(Callback):
         if fit.probe_end is not None and step >= fit.probe_end:
             if fit.runs_on(trainer, step):
                 return
-            measured, end = fit.plan.full_samples, fit.close_probe()  # the first window to measure `T` remembers it
-            one_pass = trainer.accumulate_grad_batches == 1  # `t_step` is a step of one micro-batch (`step_profile`)
-            if not (measured or fit.warmup.cold) and fit.plan.full_samples and trainer.is_global_zero and one_pass:
-                started = self._clock()  # `T`, for a later process to warm up to (a cold one's may be unsettled)
-                remember_step(resolve_cache_dir(self._cache_dir), fit.profile, fit.plan.full_step)
-                fit.charge_start(self._clock() - started)
-            if fit.schedule.selects_at_epoch_start(end):
-                fit.pending_selection = True
-            else:
+            if fit.end_window(trainer):  # else the selection waits for the epoch's start
                 self._select_and_apply(trainer, pl_module)
-        elif self._interval_unit == "step" and fit.schedule.selects_at(step):
+        elif self._settings.interval_unit == "step" and fit.schedule.selects_at(step):
             self._select_and_apply(trainer, pl_module)
-        elif self._calibrate and off_plan(fit, trainer):
+        elif self._settings.calibrate and off_plan(fit, trainer):
             self._select_and_apply(trainer, pl_module, replanned=True)
 
     @override
@@ -369,24 +348,23 @@ class ElasticTensorSelection(Callback):
     def _select_and_apply(self, trainer: L.Trainer, pl_module: L.LightningModule, replanned: bool = False) -> None:
         fit, profile = self._fit, self._profile
         assert fit is not None and profile is not None
-        started = self._clock()
+        started = self._settings.clock()
         fit.pending_selection = False
         self._close_interval(trainer, fit)
         importance = fit.importance(trainer)
-        terms = step_terms(fit, trainer, self._calibrate)
+        terms = step_terms(fit, trainer, self._settings.calibrate)
         pins = (fit.required, fit.forbidden)
-        decision = decide(
-            terms.model, importance, terms.target, required=pins[0], forbidden=pins[1], resolution=self._resolution
-        )
+        target, resolution = terms.target, self._settings.resolution
+        decision = decide(terms.model, importance, target, required=pins[0], forbidden=pins[1], resolution=resolution)
         if decision.starved and not fit.warned_starved:
             fit.warned_starved = True
             rank_zero_warn(reporting.starved_warning(trainer.global_step, decision, terms, fit.plan, *pins))
-        select_seconds = self._clock() - started
+        select_seconds = self._settings.clock() - started
         fit.apply(pl_module, decision.mask)
-        apply_seconds = self._clock() - started - select_seconds
+        apply_seconds = self._settings.clock() - started - select_seconds
         record = SelectionRecord(trainer.global_step, trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
-        image = self.selection_map if self._log_images else lambda: None  # 6. inspect
+        image = self.selection_map if self._settings.log_images else lambda: None  # 6. inspect
         seconds = (select_seconds, terms.optimizer, terms.loop)
         reporting.log_selection(trainer, record, fit.plan, profile, seconds, image)
 

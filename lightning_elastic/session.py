@@ -9,7 +9,7 @@ between the trained tensors' own), and gives the BatchNorm modes it changed back
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import lightning as L
@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_elastic import windows
+from lightning_elastic.arguments import Settings
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.freezing import (
-    BnPolicy,
     CompiledCodes,
     apply_bn_policy,
     apply_mask,
@@ -32,6 +32,7 @@ from lightning_elastic.freezing import (
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
 from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
 from lightning_elastic.records import Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
@@ -64,7 +65,7 @@ class FitSession:
     forbidden: Mask
     evaluator: ImportanceEvaluator
     clock: StepClock  # every optimizer step's seconds, its update's, the callback's own, and the wait for its batch
-    bn_policy: BnPolicy
+    settings: Settings  # the callback's arguments
     plan: WallClockPlan
     allreduce: SelectiveAllReduce | None = None
     latest: list[float] = field(default_factory=list)  # per tensor: importance per step, as last measured
@@ -96,12 +97,11 @@ class FitSession:
         prof: TimingProfile,
         schedule: Schedule,
         plan: WallClockPlan,
-        train_always: Sequence[str],
-        bn_policy: BnPolicy,
-        clock: Callable[[], float],
+        settings: Settings,
     ) -> FitSession:
-        """Bind the profile's tensors of `pl_module` and the `train_always` pins, as training starts. `prof` is the
-        profile of one optimizer step: with gradient accumulation, the profiled pass scaled to the step's micro-batches.
+        """Bind the profile's tensors of `pl_module` and the `train_always` pins of `settings`, as training starts.
+        `prof` is the profile of one optimizer step: with gradient accumulation, the profiled pass scaled to the step's
+        micro-batches.
 
         The `train_never` tensors are frozen by then (`freezing.freeze_never`, which keeps what the user had, to give
         back): like the tensors the user froze, they do not require grad, so no selection trains them.
@@ -109,7 +109,7 @@ class FitSession:
         params = profiled_parameters(pl_module, prof)
         profiled = set(prof.names)
         outside = {n: p for n, p in pl_module.named_parameters() if n not in profiled and not p.requires_grad}
-        required, forbidden = pins(prof.names, params, train_always, ())
+        required, forbidden = pins(prof.names, params, settings.train_always, ())
         check_dense(pl_module, prof.names, forbidden)
         device = pl_module.device
         return cls(
@@ -119,8 +119,8 @@ class FitSession:
             required=required,
             forbidden=forbidden,
             evaluator=ImportanceEvaluator(params),
-            clock=StepClock(device, clock),
-            bn_policy=bn_policy,
+            clock=StepClock(device, settings.clock),
+            settings=settings,
             plan=plan,
             latest=[0.0] * len(params),
             compiled=is_compiled(pl_module),
@@ -229,6 +229,20 @@ class FitSession:
             self.plan.warmup = self.warmup.excess(self.plan.full_step)  # as each window refines it
         return end - self.warmup.ran_on if first else end
 
+    def end_window(self, trainer: L.Trainer) -> bool:
+        """Close the probe window that ended at this step (`close_probe`): True when the selection it precedes is due
+        now, False when it waits for the epoch's start (`pending_selection`). The first window to measure `T` in a
+        process that timed its profile adds `T` to the profile's cache entry, for a later process to warm up to (a
+        cold process's `T` may be unsettled)."""
+        measured, end = self.plan.full_samples, self.close_probe()
+        one_pass = trainer.accumulate_grad_batches == 1  # `t_step` is a step of one micro-batch (`step_profile`)
+        if not (measured or self.warmup.cold) and self.plan.full_samples and trainer.is_global_zero and one_pass:
+            started = self.settings.clock()
+            remember_step(resolve_cache_dir(self.settings.cache_dir), self.profile, self.plan.full_step)
+            self.charge_start(self.settings.clock() - started)
+        self.pending_selection = self.schedule.selects_at_epoch_start(end)
+        return not self.pending_selection
+
     @property
     def prior_update(self) -> float:
         """The optimizer update `T` is planned with until a steady full step is measured (`FirstWindow`)."""
@@ -336,7 +350,7 @@ class FitSession:
 
     def hold_bn(self, pl_module: nn.Module) -> None:
         """The BatchNorm policy for the tensors trainable now (`freezing.apply_bn_policy`), from the layers' modes."""
-        self.bn_frozen = apply_bn_policy(pl_module, self.bn_policy, self.bn_frozen)
+        self.bn_frozen = apply_bn_policy(pl_module, self.settings.bn_policy, self.bn_frozen)
 
     def enter(self, record: SelectionRecord, select_seconds: float, apply_seconds: float) -> None:
         """Keep the selection now in force, and charge its own seconds to the plan (not to the next step)."""

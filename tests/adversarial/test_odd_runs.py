@@ -111,7 +111,9 @@ def test_lazy_modules_are_refused_before_training() -> None:
 
 def test_numpy_scalars_are_accepted() -> None:
     callback = ElasticTensorSelection(speedup=np.float32(1.5), interval=np.int64(2), resolution=np.int32(500))
-    assert callback._interval == 2 and callback._speedup == 1.5 and callback._resolution == 500
+    settings = callback._settings
+    assert (settings.interval, settings.speedup, settings.resolution) == (2, 1.5, 500)
+    assert (type(settings.interval), type(settings.speedup), type(settings.resolution)) == (int, float, int)
 
 
 @pytest.mark.parametrize(

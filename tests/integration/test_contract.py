@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic import ElasticTensorSelection, planner, reporting, resume, session, windows
-from lightning_elastic import callback as callback_module
+from lightning_elastic.arguments import Settings
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.cache import cache_file
 from lightning_elastic.profiling.profile import read_profile, store
@@ -325,8 +325,8 @@ def test_a_first_window_of_warm_up_steps_leaves_the_steady_step_to_the_first_win
     original = callback._begin
     callback._begin = lambda *args: original(*args[:-1], True)  # type: ignore[method-assign]  # as if it profiled
     writes: list[float] = []
-    real = callback_module.remember_step
-    monkeypatch.setattr(callback_module, "remember_step", lambda *args: writes.append(args[2]) or real(*args))
+    real = session.remember_step
+    monkeypatch.setattr(session, "remember_step", lambda *args: writes.append(args[2]) or real(*args))
     tiny_trainer(callbacks=[device, callback], max_steps=60, max_epochs=-1).fit(TinyNet(), tiny_data())
     first, second = [r for r in callback.history if not r.replanned][:2]  # the selections after a window
     assert first.step == 2 and second.step == 20  # windows at steps 0-1 (warm-up) and 18-19 (steady)
@@ -622,6 +622,6 @@ def test_a_warming_profile_and_the_wait_between_steps_leave_every_step_predicted
     summary = callback.summary()
     assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
     assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
-    resumed = session.FitSession.start(TinyNet(), fit.profile, fit.schedule, fit.plan, (), "update", device.clock)
+    resumed = session.FitSession.start(TinyNet(), fit.profile, fit.schedule, fit.plan, Settings(clock=device.clock))
     resume.restore(resumed, resume.fit_state(fit))  # a checkpoint keeps the waits measured so far
     assert resumed.clock.loops == fit.clock.loops
