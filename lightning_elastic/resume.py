@@ -28,7 +28,7 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "ran_on": fit.warmup.ran_on,
         "pending_selection": fit.pending_selection,
         "importance": fit.evaluator.state_dict(),
-        "latest": list(fit.latest),
+        **fit.latest.state_dict(),  # "latest", "latest_levels", "level"
         "history": [r.to_dict() for r in fit.history],
         "totals": dict(fit.totals),
         "plan": fit.plan.state_dict(),
@@ -70,7 +70,7 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
         apply_mask(fit.params, [not f for f in fit.forbidden])  # as the window left them
     latest = state.get("latest")
     if isinstance(latest, list) and len(latest) == len(fit.params):
-        fit.latest = [float(v) for v in latest]
+        fit.latest.load_state_dict(state)
     fit.history = [SelectionRecord.from_dict(r) for r in state.get("history", [])]
     fit.totals.update(state.get("totals", {}))
     # No BatchNorm layer is restored as switched (`bn_frozen`, which older checkpoints hold): modes are not in a

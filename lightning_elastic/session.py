@@ -30,6 +30,7 @@ from lightning_elastic.freezing import (
     refuse_changed,
 )
 from lightning_elastic.importance import ImportanceEvaluator
+from lightning_elastic.importance_window import LatestImportance
 from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
@@ -68,7 +69,7 @@ class FitSession:
     settings: Settings  # the callback's arguments
     plan: WallClockPlan
     allreduce: SelectiveAllReduce | None = None
-    latest: list[float] = field(default_factory=list)  # per tensor: importance per step, as last measured
+    latest: LatestImportance = field(default_factory=lambda: LatestImportance.unmeasured(0))  # as last measured
     history: list[SelectionRecord] = field(default_factory=list)
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TOTALS, 0.0))
     mask: Mask | None = None
@@ -122,7 +123,7 @@ class FitSession:
             clock=StepClock(device, settings.clock),
             settings=settings,
             plan=plan,
-            latest=[0.0] * len(params),
+            latest=LatestImportance.unmeasured(len(params)),
             compiled=is_compiled(pl_module),
             warmup=FirstWindow(warm_step=prof.t_step),
             outside=outside,
@@ -306,15 +307,17 @@ class FitSession:
     # ------------------------------------------------------------------ what a selection reads
 
     def importance(self, trainer: L.Trainer) -> list[float]:
-        """Every tensor's importance per step, the latest measured (the same on every rank)."""
+        """Every tensor's importance per step as it stands now: the latest measured, a value measured before the last
+        window or interval aged by how far the others fell since (`LatestImportance`; the same on every rank)."""
         self._fold_importance(trainer)
-        return list(self.latest)
+        return self.latest.now()
 
     def _fold_importance(self, trainer: L.Trainer) -> None:
         """Move what the evaluator measured since its last reset into `latest`, as importance per step.
 
         Per step is the evaluator's trimmed mean over the window's steps, so that one outlier step does not decide
-        a selection; a tensor the window did not measure (frozen, or only non-finite steps) keeps its last value.
+        a selection; a tensor the window did not measure (frozen, or only non-finite steps) keeps its last value,
+        read aged by the fall of the tensors measured again (`LatestImportance.fold`).
         """
         counts, dropped = self.evaluator.counts, self.evaluator.nonfinite
         if any(dropped):
@@ -324,9 +327,8 @@ class FitSession:
                 rank_zero_warn(nonfinite_warning(self.names, dropped))
         if any(counts):
             per_step = mean_over_ranks(trainer, self.evaluator.per_step.tolist(), self.params[0].device)
-            for k, (value, count) in enumerate(zip(per_step, counts, strict=True)):
-                if count:
-                    self.latest[k] = value
+            measured = {k: value for k, (value, count) in enumerate(zip(per_step, counts, strict=True)) if count}
+            self.latest.fold(measured, pinned=self.required)
         self.evaluator.reset()
 
     # ------------------------------------------------------------------ a selection comes into force

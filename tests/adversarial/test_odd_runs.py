@@ -250,8 +250,10 @@ def test_non_finite_importance_is_counted_warned_once_and_the_last_finite_value_
     assert sum("was not finite" in str(w.message) for w in caught) == 1  # every window from the first on had some
     first, *later = [record.decision.importance for record in callback.history]
     assert len(later) == 2  # three selections in 16 steps
-    assert [importance[0] for importance in later] == [first[0], first[0]]  # its last finite value, kept
     assert all(importance[1:] != first[1:] for importance in later)  # the other tensors measured afresh
+    latest = callback._fit.latest  # type: ignore[union-attr]
+    assert latest.values[0] == first[0] and latest.levels[0] == 1.0  # its last finite value, kept ...
+    assert later[-1][0] == pytest.approx(first[0] * latest.level, rel=1e-12) and latest.level != 1.0  # ... and aged
     assert callback.report().nonfinite_steps == module.nonfinite_steps >= 2
 
 

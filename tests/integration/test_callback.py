@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +346,27 @@ def test_the_summary_of_a_fit_without_the_contract_judges_no_contract(caplog: py
     assert uncalibrated.report().headline().endswith("x per selected step: `calibrate=False` keeps no whole-fit contract)")
     assert uncalibrated.report().shortfall == "" and "why not met" not in caplog.text
     assert "keeps no whole-fit contract" in caplog.text  # the table the fit ends with
+
+
+def test_a_selection_without_a_window_reads_the_frozen_tensors_fallen_as_the_trained_ones_fell() -> None:
+    """Between windows only the trained tensors are measured. Reference from the selection records alone: at a
+    selection that no window precedes, each tensor frozen in the interval before reads its earlier importance times
+    the median ratio, new over earlier, of the tensors trained in that interval (the pinned head left out)."""
+    callback = elastic(probe_steps="auto", interval=6, train_always=["net.7.*"])
+    module = TinyNet(optimizer="adam", lr=0.01)
+    tiny_trainer(callbacks=[callback], max_steps=96, max_epochs=-1).fit(module, tiny_data(samples=512))
+    fit = callback._fit
+    assert fit is not None
+    history = [r for r in callback.history if not r.replanned]
+    unprobed = [(a, b) for a, b in itertools.pairwise(history) if not fit.schedule.probed(b.step)]
+    assert len(unprobed) >= 5  # the first window alone (3% of the fit), then selections that re-use what trained
+    checked = 0
+    for before, after in unprobed:
+        old, new = before.decision.importance, after.decision.importance
+        trained = [k for k, on in enumerate(before.mask) if on and not fit.required[k] and old[k] > 0 and new[k] > 0]
+        ratios = sorted(new[k] / old[k] for k in trained)
+        fall = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
+        frozen = [k for k, on in enumerate(before.mask) if not on and not fit.forbidden[k]]
+        assert [new[k] for k in frozen] == pytest.approx([old[k] * fall for k in frozen], rel=1e-9)
+        checked += len(frozen) * (fall != pytest.approx(1.0))
+    assert checked > 0  # frozen tensors were read fallen, not as measured

@@ -14,7 +14,7 @@ from scipy.stats import spearmanr
 from torch import Tensor, nn
 
 from lightning_elastic.importance import Gradient, ImportanceEvaluator, true_loss_drop
-from lightning_elastic.importance_window import ImportanceWindow
+from lightning_elastic.importance_window import ImportanceWindow, LatestImportance
 
 Batch = tuple[Tensor, Tensor]
 # Per step: the gradients the step consumed, the weights before and after it.
@@ -571,3 +571,36 @@ def test_the_per_step_values_survive_a_checkpoint_and_old_checkpoints_still_load
     assert old.per_step.tolist() == [34.0, 6.0] and old.importance.tolist() == [102.0, 12.0]
     with pytest.raises(ValueError, match=r"`state\['per_step'\]` must be a list of rows of 2 numbers or None. Found: "):
         old.load_state_dict({**state, "per_step": [[1.0]]})
+
+
+def test_a_value_not_measured_again_is_read_fallen_as_much_as_the_measured_tensors_fell() -> None:
+    """Hand-computed: each fold multiplies the level by the median of new / aged old values over the tensors measured
+    again, leaving out the pinned tensor (3) and every pair that is not positive (tensor 4 measured 0 at first)."""
+    latest = LatestImportance.unmeasured(5)
+    pinned = [False, False, False, True, False]
+    latest.fold({0: 8.0, 1: 6.0, 2: 4.0, 3: 100.0, 4: 0.0}, pinned)  # a window: nothing measured before, level 1
+    assert latest.now() == [8.0, 6.0, 4.0, 100.0, 0.0] and latest.level == 1.0
+    # Tensors 0, 1 fell to 1/2 and 1/3, the head to 1/100 (left out), tensor 4 from 0 (left out): median 5/12.
+    latest.fold({0: 4.0, 1: 2.0, 3: 1.0, 4: 3.0}, pinned)
+    assert latest.level == pytest.approx(5 / 12)
+    assert latest.now() == pytest.approx([4.0, 2.0, 4.0 * 5 / 12, 1.0, 3.0])
+    # Tensor 2, unmeasured since level 1, now reads 4 x 5/12; measured again at 1.0 it sets the fall (ratio 0.6) alone
+    # with tensor 1's (2.0 -> 1.0, 0.5): median 0.55, and tensors 0 and 4, not measured, age by it.
+    latest.fold({1: 1.0, 2: 1.0}, pinned)
+    assert latest.level == pytest.approx(5 / 12 * 0.55)
+    assert latest.now() == pytest.approx([4.0 * 0.55, 1.0, 1.0, 1.0 * 0.55, 3.0 * 0.55])
+    latest.fold({}, pinned)  # a fold that measured nothing changes nothing
+    assert latest.now() == pytest.approx([4.0 * 0.55, 1.0, 1.0, 0.55, 3.0 * 0.55])
+
+
+def test_the_fall_of_importance_survives_a_checkpoint_and_old_checkpoints_read_their_values_as_of_now() -> None:
+    latest = LatestImportance.unmeasured(2)
+    latest.fold({0: 4.0, 1: 2.0}, [False, False])
+    latest.fold({0: 1.0}, [False, False])
+    restored = LatestImportance.unmeasured(2)
+    restored.load_state_dict(json.loads(json.dumps(latest.state_dict())))
+    assert restored == latest and restored.now() == [1.0, 0.5]
+    old = LatestImportance.unmeasured(2)
+    old.load_state_dict({"latest": [1.0, 2.0]})  # a checkpoint from before the levels
+    old.fold({0: 0.5}, [False, False])
+    assert old.now() == [0.5, 1.0]
