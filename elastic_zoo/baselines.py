@@ -25,6 +25,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_elastic.arguments import speedup_problem
+from lightning_elastic.errors import SpeedupOutOfReach
 from lightning_elastic.freezing import match_patterns
 from lightning_elastic.planner import at_most
 from lightning_elastic.profiling import TimingProfile
@@ -84,8 +85,9 @@ def last_k_within_budget(
     of the suffix never costs less, so the search stops at the first suffix over the budget.
 
     Raises:
-        ValueError: when `speedup` is not a finite number > 1, or the head alone does not fit the budget (the
-            message gives the largest speedup that fits, rounded down).
+        ValueError: when `speedup` is not a finite number > 1; `SpeedupOutOfReach` (a ValueError) when the head
+            alone does not fit the budget (the message and `reachable` give the largest speedup that fits, rounded
+            down), so that the benchmark reports it as a refusal before training, as it does the callback's.
 
     Example:
         >>> p = TimingProfile(names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=2.0,
@@ -109,9 +111,11 @@ def last_k_within_budget(
         best = mask
     if best is None:
         floor = model.predict(required) if any(required) else model.predict([i == n - 1 for i in range(n)])
-        raise ValueError(
-            f"`speedup` must be at most {at_most(model.full / floor)} for a static selection of this model: the head "
-            f"(or the last tensor) alone takes {floor / model.full:.0%} of a full step. Found: {speedup:g}"
+        reachable = at_most(model.full / floor)
+        raise SpeedupOutOfReach(
+            f"`speedup` must be at most {reachable} for a static selection of this model: the head "
+            f"(or the last tensor) alone takes {floor / model.full:.0%} of a full step. Found: {speedup:g}",
+            reachable=float(reachable),
         )
     return [name for name, keep in zip(profile.names, best, strict=True) if keep]
 

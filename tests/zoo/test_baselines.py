@@ -30,6 +30,7 @@ from elastic_zoo.method import StaticLastK
 from elastic_zoo.models import efficientnet_lite0, tiny_cnn
 from elastic_zoo.module import ImageClassifier
 from lightning_elastic import windows
+from lightning_elastic.errors import SpeedupOutOfReach
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.tiny import tiny_trainer
@@ -204,8 +205,10 @@ def test_the_largest_static_speedup_is_rounded_down_and_an_infinite_one_refused(
         device="cpu", fingerprint="f", unused=(), method="measured", numel=(1, 1, 1),
     )  # fmt: skip
     # full 75, the cheapest step ({c}) 71: at most 75 / 71 = 1.0563..., which `:.2f` would show as 1.06
-    with pytest.raises(ValueError, match=r"`speedup` must be at most 1.05 for a static selection .* Found: 1.06"):
+    refusal = r"`speedup` must be at most 1.05 for a static selection .* Found: 1.06"
+    with pytest.raises(SpeedupOutOfReach, match=refusal) as refused:
         last_k_within_budget(prof, 1.06)
+    assert refused.value.reachable == 1.05  # the benchmark reports it as a refusal before training, with this figure
     assert last_k_within_budget(prof, 1.05) == ["c"]
     with pytest.raises(ValueError, match=r"^`speedup` must be a finite number > 1. Found: inf$"):
         last_k_within_budget(prof, math.inf)
