@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -107,47 +106,53 @@ def constructor_problems(
 
 @dataclass(frozen=True)
 class Settings:
-    """The callback's arguments once checked (each is described in `ElasticTensorSelection`'s docstring).
+    """The callback's arguments once checked (each is described in `ElasticTensorSelection`'s docstring, whose
+    signature holds their defaults).
 
     Example:
-        >>> Settings.checked(speedup=3, interval=2).speedup, Settings.checked().interval_unit
-        (3.0, 'epoch')
-        >>> Settings.checked(speedup=0.5, resolution=0)
+        >>> arguments = dict(
+        ...     speedup=3, interval=2, interval_unit="epoch", probe_steps="auto", time_model="auto", train_always=[],
+        ...     train_never=(), bn_policy="update", resolution=1000, cache_dir=None, profile=None, calibrate=True,
+        ...     log_images=True, clock=float,
+        ... )
+        >>> settings = Settings.checked(**arguments)
+        >>> settings.speedup, settings.interval, settings.train_always
+        (3.0, 2, ())
+        >>> Settings.checked(**{**arguments, "speedup": 0.5, "resolution": 0})
         Traceback (most recent call last):
         ...
         lightning_elastic.errors.ElasticConfigError: `speedup` must be a finite number > 1. Found: 0.5; \
 `resolution` must be a positive int. Found: 0
     """
 
-    speedup: float = 2.0
-    interval: int = 1
-    interval_unit: IntervalUnit = "epoch"
-    probe_steps: int | Literal["auto"] = "auto"
-    time_model: TimeModel = "auto"
-    train_always: tuple[str, ...] = ()
-    train_never: tuple[str, ...] = ()
-    bn_policy: BnPolicy = "update"
-    resolution: int = 1000
-    cache_dir: str | os.PathLike[str] | Literal[False] | None = None
-    profile: TimingProfile | str | os.PathLike[str] | None = None
-    calibrate: bool = True
-    log_images: bool = True
-    clock: Callable[[], float] = time.perf_counter
+    speedup: float
+    interval: int
+    interval_unit: IntervalUnit
+    probe_steps: int | Literal["auto"]
+    time_model: TimeModel
+    train_always: tuple[str, ...]
+    train_never: tuple[str, ...]
+    bn_policy: BnPolicy
+    resolution: int
+    cache_dir: str | os.PathLike[str] | Literal[False] | None
+    profile: TimingProfile | str | os.PathLike[str] | None
+    calibrate: bool
+    log_images: bool
+    clock: Callable[[], float]
 
     @classmethod
     def checked(cls, **arguments: Any) -> Settings:
-        """The settings of these arguments (the others at their defaults), every problem said at once.
+        """The settings of these arguments (every one of them), every problem said at once.
 
         Raises:
             ElasticConfigError: naming each argument that is not allowed, what is allowed and what was given.
         """
-        given = {**{name: getattr(cls, name) for name in cls.__dataclass_fields__}, **arguments}
-        if problems := constructor_problems(**given):
+        if problems := constructor_problems(**arguments):
             raise ElasticConfigError("; ".join(problems))
-        numbers_ = {"speedup": float(given["speedup"]), "interval": int(given["interval"])}
-        flags = {name: bool(given[name]) for name in ("calibrate", "log_images")}
-        patterns = {name: tuple(given[name]) for name in ("train_always", "train_never")}
-        return cls(**{**given, **numbers_, **flags, **patterns, "resolution": int(given["resolution"])})
+        numbers_ = {"speedup": float(arguments["speedup"]), "interval": int(arguments["interval"])}
+        flags = {name: bool(arguments[name]) for name in ("calibrate", "log_images")}
+        patterns = {name: tuple(arguments[name]) for name in ("train_always", "train_never")}
+        return cls(**{**arguments, **numbers_, **flags, **patterns, "resolution": int(arguments["resolution"])})
 
 
 def _parsed(value: object, parse: Callable[[str], object]) -> object:

@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_elastic import resume, windows
-from lightning_elastic.arguments import Settings
+from lightning_elastic import ElasticTensorSelection, resume, windows
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.session import FitSession
@@ -32,7 +31,7 @@ def cold_session(samples: list[float]) -> FitSession:
     prof = synthetic_profile(module)
     schedule = Schedule(30, "step", 4, first_probe_steps=6, total_steps=96)
     plan = WallClockPlan(speedup=1.5, total_steps=96, full_step=prof.t_full)
-    fit = FitSession.start(module, prof, schedule, plan, Settings(clock=lambda: 0.0))
+    fit = FitSession.start(module, prof, schedule, plan, ElasticTensorSelection(clock=lambda: 0.0)._settings)
     fit.warmup.cold, fit.probe_end, fit.probe_full = True, 6, [s * prof.t_full for s in samples]
     return fit
 
@@ -93,7 +92,7 @@ def test_a_first_window_whose_selection_waits_for_an_epoch_start_ends_there() ->
     schedule = Schedule(1, "epoch", 8, steps_per_epoch=16, total_steps=64)
     assert schedule.first_window_end == 16 and schedule.selects_at_epoch_start(16)
     plan = WallClockPlan(speedup=1.5, total_steps=64, full_step=prof.t_full)
-    fit = FitSession.start(module, prof, schedule, plan, Settings(clock=lambda: 0.0))
+    fit = FitSession.start(module, prof, schedule, plan, ElasticTensorSelection(clock=lambda: 0.0)._settings)
     fit.warmup.cold, fit.probe_end, fit.probe_full = True, 16, [1.45 * prof.t_full] * 8
     trainer: Any = SimpleNamespace(strategy=OtherRanks(0.0))
     assert not fit.runs_on(trainer, 16)

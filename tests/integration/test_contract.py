@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic import ElasticTensorSelection, planner, reporting, resume, session, windows
-from lightning_elastic.arguments import Settings
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.cache import cache_file
 from lightning_elastic.profiling.profile import read_profile, store
@@ -622,6 +621,6 @@ def test_a_warming_profile_and_the_wait_between_steps_leave_every_step_predicted
     summary = callback.summary()
     assert summary["spent_seconds"] == pytest.approx(device.now, rel=1e-9)
     assert summary["planned_seconds"] / summary["spent_seconds"] == pytest.approx(1.0, abs=0.03), summary
-    resumed = session.FitSession.start(TinyNet(), fit.profile, fit.schedule, fit.plan, Settings(clock=device.clock))
+    resumed = session.FitSession.start(TinyNet(), fit.profile, fit.schedule, fit.plan, ElasticTensorSelection(clock=device.clock)._settings)
     resume.restore(resumed, resume.fit_state(fit))  # a checkpoint keeps the waits measured so far
     assert resumed.clock.loops == fit.clock.loops
