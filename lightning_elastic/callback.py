@@ -69,13 +69,14 @@ class ElasticTensorSelection(Callback):
         speedup: how many times faster the training part of the fit should be; > 1.
         interval: re-select every `interval` epochs or optimizer steps (see `interval_unit`).
         interval_unit: "epoch" (re-select as an epoch starts) or "step".
-        probe_steps: "auto" (default) sizes probe windows so that their extra cost stays a small share (3%) of
-            the fit, the first long enough to time steady full steps when the fit can pay for it; or the steps of
-            every window, each full training steps that measure every tensor's importance.
+        probe_steps: "auto" (default) sizes probe windows so that they and the first profile take at most 5% of
+            the planned fit, counted in whole steps (the first window long enough to time steady full steps when the
+            fit can pay for it); or the steps of every window, each full training steps that measure every tensor's
+            importance.
         time_model: "measured" (per-tensor times profiled on this device, about 6-7 training steps), "flops" (op
-            counts scaled to one timed step, about 3), or "auto" (default): measured when it costs at most 5% of the
-            planned fit (a share that shrinks above 2x with the room a step has above its forward pass: none from
-            3x) or a measured profile is cached, else flops.
+            counts scaled to one timed step, about 3), or "auto" (default): measured when it and the first probe
+            window cost at most 5% of the planned fit (a share that shrinks above 2x with the room a step has above
+            its forward pass: none from 3x) or a measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.

@@ -135,10 +135,14 @@ class FitSession:
         return self.profile.names
 
     def reach(self, profile_seconds: float, calibrate: bool) -> Reach:
-        """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`). A first window
+        """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`). Auto windows
+        after the first get what that profiling left of the own-time share (`windows.after_profile`); a first window
         longer than the others (to time `T`, see `windows.auto_probe_plan`) is cut back to their length when it
         alone would put the asked speedup out of this fit's reach."""
         total, prof = (self.plan.total_steps if calibrate else None), self.profile
+        if self.settings.probe_steps == "auto":  # a resumed fit's restored profile cost it nothing: windows as cached
+            spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
+            self.schedule = windows.after_profile(self.schedule, self.plan.speedup, spent)
         model = StepTimeModel.from_profile(prof)
         self.schedule, limit = reach_shortening(
             self.schedule,

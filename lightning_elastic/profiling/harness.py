@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
+from lightning_elastic import windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
 from lightning_elastic.profiling.flops import tensors_in
@@ -46,15 +47,16 @@ __all__ = [
 # One of them is the fit's first step (or a pass of its own for the key). MiniLM on e-mails, a 0.6 s step: 4.2 s and
 # 1.7 s.
 PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
-# `time_model="auto"` measures the profile when that costs at most this share of the planned fit (the fit's own-time
-# target), else takes the analytic one ...
-PROFILE_SHARE = 0.05
-# ... a share that shrinks, above 2x, with the room a selected step has above the forward pass every step pays (about
-# this share of a full step: backward about twice the forward; Lite0 on Fashion-MNIST, the head alone 0.28-0.30 of a
-# full step), against that room at 2x (`ProfileChoice.room`). At 3x there is none to spare: on Fashion-MNIST's 400-step
-# fit the measured profile took 3.0-5.0 s of the 7-12 s its selections had above the head alone, and 3 of 8 first runs
-# trained the head and little more (70-73%); with the analytic one (0.9-3.2 s) 8 of 8 reached 75.5-83.3%, the same mean
-# within the spread (docs/results.md, 2026-11-27).
+# `time_model="auto"` measures the profile when it and the first probe window together cost at most the own-time share
+# of the planned fit (`windows.OWN_SHARE`, which the later windows get what is left of), else takes the analytic one
+# (until 2026-11-27 the profile alone was held to that share: Fashion-MNIST's 400-step fits at 2x measured theirs,
+# 3.0-5.7 s, 6-12 full steps, and with their windows spent 7.5% of the fit); a share that shrinks, above 2x, with the
+# room a selected step has above the forward pass every step pays (about this share of a full step: backward about twice
+# the forward; Lite0 on Fashion-MNIST, the head alone 0.28-0.30 of a full step), against that room at 2x
+# (`ProfileChoice.room`). At 3x there is none to spare: on Fashion-MNIST's 400-step fit the measured profile took
+# 3.0-5.0 s of the 7-12 s its selections had above the head alone, and 3 of 8 first runs trained the head and little
+# more (70-73%); with the analytic one (0.9-3.2 s) 8 of 8 reached 75.5-83.3%, the same mean within the spread
+# (docs/results.md, 2026-11-27).
 FORWARD_SHARE = 1 / 3
 
 
@@ -70,15 +72,15 @@ class ProfileChoice(NamedTuple):
     def of(
         cls, time_model: TimeModel, total_steps: int | None, speedup: float, first_step: bool = False
     ) -> ProfileChoice:
-        """`time_model`, or for "auto" the measured model when its first profile (`steps`) costs at most
-        `PROFILE_SHARE` of the fit's planned `total_steps / speedup` full steps, times `room(speedup)` (always when the
-        length is unknown), else the analytic one ("flops"); a measured profile already in the cache is used either
-        way (`measure_profile`).
+        """`time_model`, or for "auto" the measured model when its first profile (`steps`) and the first probe window
+        (`windows.first_window()` steps) cost at most `windows.OWN_SHARE` of the fit's planned `total_steps / speedup`
+        full steps, times `room(speedup)` (always when the length is unknown), else the analytic one ("flops"); a
+        measured profile already in the cache is used either way (`measure_profile`).
 
         Example:
-            >>> ProfileChoice.of("auto", 280, 2.0).method, ProfileChoice.of("auto", 279, 2.0).method
+            >>> ProfileChoice.of("auto", 520, 2.0).method, ProfileChoice.of("auto", 519, 2.0).method
             ('measured', 'flops')
-            >>> ProfileChoice.of("auto", 240, 2.0, first_step=True).method  # the first step is its first pass
+            >>> ProfileChoice.of("auto", 480, 2.0, first_step=True).method  # the first step is its first pass
             'measured'
             >>> ProfileChoice.of("auto", 400, 3.0, first_step=True).method  # no room above the forward pass
             'flops'
@@ -88,14 +90,14 @@ class ProfileChoice(NamedTuple):
         if time_model != "auto":
             return cls(time_model, auto=False, first_step=first_step)
         measured = cls("measured", auto=True, first_step=first_step)
-        budget = PROFILE_SHARE * cls.room(speedup) * (total_steps or 0) / speedup + 1e-9  # within rounding: 750 at 2.5x
-        affordable = total_steps is None or measured.steps <= budget
+        budget = windows.OWN_SHARE * cls.room(speedup) * (total_steps or 0) / speedup + 1e-9  # within rounding
+        affordable = total_steps is None or measured.steps + windows.first_window() <= budget
         return measured if affordable else cls("flops", auto=True, first_step=first_step)
 
     @staticmethod
     def room(speedup: float) -> float:
         """The room a selected step has above the forward pass (`1 / speedup - FORWARD_SHARE` of a full step) against
-        that room at 2x, at most 1: where "auto"'s `PROFILE_SHARE` holds in full (at 2x and below), where it shrinks,
+        that room at 2x, at most 1: where "auto"'s share holds in full (at 2x and below), where it shrinks,
         and where nothing is left for a measured profile (3x and above).
 
         Example:
@@ -122,9 +124,11 @@ class ProfileChoice(NamedTuple):
             if room == 0.0:
                 why = f"{cost} would eat the little room a selected step has above the forward pass at {speedup:g}x"
             else:
-                why = f"{cost} would be more than {PROFILE_SHARE * room:.0%} of this fit"
+                share, window = windows.OWN_SHARE, windows.first_window()
+                why = f"{cost} and the first probe window ({window} steps) would be more than {share * room:.0%}"
+                why += " of this fit"
                 if room < 1.0:
-                    why += f" ({PROFILE_SHARE:.0%}, scaled to the room a selected step has above the forward pass)"
+                    why += f" ({share:.0%}, scaled to the room a selected step has above the forward pass)"
             why += "; time_model='measured' measures anyway"
         rank_zero_info(
             f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {self.steps} training steps, "

@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 
 from lightning_elastic import ElasticTensorSelection, windows
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling import harness, runner
+from lightning_elastic.profiling import runner
 from lightning_elastic.profiling.harness import FirstStep
 from lightning_elastic.profiling.runner import Runner
 from tests.integration.test_callback import Recorder
@@ -94,9 +94,10 @@ def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_meas
     assert again.timing_profile is not None and again.timing_profile.method == "measured"  # not the flops one
     assert again.timing_profile.fingerprint == measured.timing_profile.fingerprint
     assert model.calls == 8  # read from the cache: no pass of profiling
-    # 0.8 of an 8-step fit's 7.99 planned full steps: the 6 a measured profile costs when the fit's first step is its
-    # first pass fit in it, the 7 it costs when profiling takes a pass of its own would not
-    monkeypatch.setattr(harness, "PROFILE_SHARE", 0.8)
+    # 1.55 of an 8-step fit's 7.99 planned full steps (12.4): the 6 a measured profile costs when the fit's first step
+    # is its first pass and the first probe window's 6 fit in it, the 7 it costs when profiling takes a pass of its own
+    # would not
+    monkeypatch.setattr(windows, "OWN_SHARE", 1.55)
     long = elastic(tmp_path / "empty")
     tiny_trainer(callbacks=[long], max_steps=8).fit(Counted(), tiny_data())
     assert long.timing_profile is not None and long.timing_profile.method == "measured"
@@ -111,13 +112,13 @@ def test_a_second_fit_that_can_pay_for_a_measured_profile_does_not_keep_the_firs
     callback = elastic(tmp_path)
     tiny_trainer(callbacks=[callback], max_steps=8).fit(Counted(), tiny_data())
     assert callback.timing_profile is not None and callback.timing_profile.method == "flops"
-    share = harness.PROFILE_SHARE
-    monkeypatch.setattr(harness, "PROFILE_SHARE", 1.0)  # 6 steps of an 8-step fit: affordable now
+    share = windows.OWN_SHARE
+    monkeypatch.setattr(windows, "OWN_SHARE", 2.0)  # 6 + 6 steps of an 8-step fit: affordable now
     with caplog.at_level(logging.INFO):
         tiny_trainer(callbacks=[callback], max_steps=8).fit(Counted(), tiny_data())
     assert callback.timing_profile is not None and callback.timing_profile.method == "measured"
     assert "the previous fit's timing profile is analytic (time_model 'flops')" in caplog.text
-    monkeypatch.setattr(harness, "PROFILE_SHARE", share)
+    monkeypatch.setattr(windows, "OWN_SHARE", share)
     third = Counted()
     tiny_trainer(callbacks=[callback], max_steps=8).fit(third, tiny_data())
     assert callback.timing_profile.method == "measured"  # a measured profile serves a fit of any length
@@ -331,8 +332,8 @@ def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window
     fit = callback._fit
     assert fit is not None and fit.schedule.first_steps == windows.first_window() == 6
     assert [r.step for r in callback.history][:1] == [16]
-    # every step from 6 timed; 2 more of them probe steps than with a 4-step late window (16)
-    assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 18
+    # every step from 6 timed; 6 of them probe steps (a 4-step late window: 4), the share leaving no other window
+    assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 6
 
 
 def test_a_failing_call_after_the_fit_does_not_give_back_the_fits_flags() -> None:

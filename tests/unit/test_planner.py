@@ -16,10 +16,11 @@ from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.windows import (
     FIRST_WINDOW_SHARE,
-    PROBE_SHARE,
+    OWN_SHARE,
     WARMUP_STEPS,
     ProbePlan,
     ScheduleRefusal,
+    after_profile,
     auto_probe_plan,
     late_first_window,
     plan_schedule,
@@ -76,39 +77,68 @@ def test_state_round_trip() -> None:
 @pytest.mark.parametrize(
     ("steps", "selections", "speedup", "expected"),
     [
-        (600, 10, 2.0, ProbePlan(4, 3, 6)),  # 18 probe steps allowed: the first window of 6, then 3 of 4
-        (100, 5, 2.0, ProbePlan(3, 5, 6)),
-        (150, 5, 2.0, ProbePlan(4, 5, 6)),
+        (600, 10, 2.0, ProbePlan(4, 4, 6)),  # 15 probe steps allowed: the first window of 6, then 2 of 4
+        (100, 5, 2.0, ProbePlan(2, 5, 6)),  # 2.5 allowed: the first window (it times `T`) and no other
+        (150, 5, 2.0, ProbePlan(3, 5, 6)),
         (90, 2, 2.0, ProbePlan(2, 2, 6)),  # the text fit: 6 steps are 6.7% of it
-        (90, 2, 3.0, ProbePlan(1, 2, 1)),  # ... at 3x 13%: no steady sample
+        (90, 2, 3.0, ProbePlan(1, 1, 1)),  # ... at 3x 13%: a second window times `T`
         (10_000, 10, 1.5, ProbePlan(4, 1, 6)),
-        (20, 2, 3.0, ProbePlan(1, 2, 1)),
+        (20, 2, 3.0, ProbePlan(1, 1, 1)),
         (None, None, 2.0, ProbePlan(4, 1, 6)),
     ],
 )
-def test_auto_probe_plan_keeps_the_probe_share(
+def test_auto_probe_plan_keeps_the_own_share(
     steps: int | None, selections: int | None, speedup: float, expected: ProbePlan
 ) -> None:
+    """Probe steps counted whole within `OWN_SHARE` of the `N / s` planned full steps, as many windows as fit; the
+    first window of 6 runs wherever its extra cost is within `FIRST_WINDOW_SHARE`, even past the share; a shorter
+    one (all warm-up steps) is followed by a second, even past the share, so that `T` is timed."""
     plan = auto_probe_plan(steps, selections, speedup)
     assert plan == expected
     if steps is not None and selections is not None:
         windows = math.ceil(selections / plan.every)
-        first_share = plan.first * (speedup - 1) / steps
-        share = (plan.first + (windows - 1) * plan.steps) * (speedup - 1) / steps
-        if plan.first > plan.steps:  # the first window measures steady steps: within its share, the rest in theirs
-            assert plan.first == WARMUP_STEPS + 2 and first_share <= FIRST_WINDOW_SHARE
-            assert share <= max(PROBE_SHARE, first_share)
-        else:
-            assert share <= PROBE_SHARE or (plan.steps == 1 and windows == 1)
+        probes = plan.first + (windows - 1) * plan.steps
+        if plan.first > plan.steps:  # the first window measures steady steps
+            assert plan.first == WARMUP_STEPS + 2 and plan.first * (speedup - 1) / steps <= FIRST_WINDOW_SHARE
+        else:  # it does not: a second window does
+            assert (plan.first <= WARMUP_STEPS and windows == min(2, selections)) or windows > 2
+        assert probes * speedup / steps <= OWN_SHARE or windows <= (1 if plan.first > WARMUP_STEPS else 2)
+        if windows < selections:  # one window more would not fit
+            assert (probes + plan.steps) * speedup / steps > OWN_SHARE
 
 
 def test_a_period_too_short_for_the_long_first_window_keeps_the_windows_the_share_allows() -> None:
-    # 160 steps at 1.5x, a selection every 4 steps: 9.6 probe steps allowed, windows of 3 (the period's limit) and
-    # no 6-step first window (it would leave its selection 2 steps of 4): 3 windows, one before every 14th selection,
-    # so that windows after the process's warm-up steps measure `T`
-    assert auto_probe_plan(160, 40, 1.5, period=4) == ProbePlan(3, 14, 3)
+    # 160 steps at 1.5x, a selection every 4 steps: 5.3 probe steps allowed, windows of 3 (the period's limit) and
+    # no 6-step first window (it would leave its selection 2 steps of 4): the first window, all warm-up steps, and
+    # one that times `T` before the 21st selection
+    assert auto_probe_plan(160, 40, 1.5, period=4) == ProbePlan(3, 20, 3)
     assert auto_probe_plan(160, 4, 1.5, period=40) == ProbePlan(4, 4, 6)
     assert auto_probe_plan(None, None, 2.0, period=10) == ProbePlan(4, 1, 4)
+
+
+def test_the_first_profile_comes_out_of_the_later_windows_and_the_first_window_keeps_its_length() -> None:
+    """Fashion-MNIST's fit, 400 steps of 4 epochs at 2x: 10 probe steps counted whole (5% of 200), a 6-step first
+    window and one of 4 before the third selection. What profiling cost comes out of the later windows, never out of
+    the first (it may be under way); a cached profile (nothing spent) leaves the plan as it was."""
+    planned = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(100,), total_steps=400)
+    assert isinstance(planned, Schedule)
+    assert (planned.first_window_end, planned.probe_steps, planned.probe_every) == (6, 4, 2)
+    assert planned.probe_steps_between(0, 400) == 10
+    assert after_profile(planned, 2.0, spent=0.0) == planned
+    for spent in (0.5, 2.5, 12.0):  # any profiling leaves less than the second window's 4 steps
+        after = after_profile(planned, 2.0, spent)
+        assert after.first_window_end == 6 and after.probe_steps_between(0, 400) == 6
+    # 1,000 steps of 10 epochs: 25 steps, the first window and 4 of 4 (22); a measured profile of 7 leaves 18: 3 of 4
+    long = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(100,), total_steps=1000)
+    assert isinstance(long, Schedule) and long.probe_steps_between(0, 1000) == 22
+    assert after_profile(long, 2.0, spent=7.0).probe_steps_between(0, 1000) == 18
+    # a first window as long as the others (no room for 6 steps before a selection every 5): it keeps its length
+    short = plan_schedule(1, "epoch", "auto", 1.5, steps_per_epoch=(5,), total_steps=100)
+    assert isinstance(short, Schedule) and (short.first_window_end, short.probe_steps, short.first_probe_steps) == (3, 3, 0)
+    assert after_profile(short, 1.5, spent=2.0) == short
+    # unknown length: a window before every selection, whatever profiling cost
+    unknown = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=math.inf, total_steps=None)
+    assert isinstance(unknown, Schedule) and after_profile(unknown, 2.0, spent=50.0) == unknown
 
 
 def test_a_fit_of_unknown_epoch_length_gets_the_long_first_window_only_where_it_can_pay_for_it() -> None:
@@ -213,9 +243,10 @@ def test_a_ceiling_is_never_shown_rounded_up() -> None:
 
 
 def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
-    # 10 steps an epoch, 100 steps, 10 selections: the share allows floor(0.03 * 100 / 1) = 3 probe steps in all.
+    # 10 steps an epoch, 100 steps, 10 selections: the share allows floor(0.05 * 100 / 2) = 2 probe steps in all;
+    # the first window is all warm-up steps, so a second one, before the sixth selection, times `T`
     auto = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(10,), total_steps=100)
-    assert auto == Schedule(1, "epoch", 3, (10,), probe_every=10, total_steps=100)
+    assert auto == Schedule(1, "epoch", 2, (10,), probe_every=5, total_steps=100)
     # a window of 4 steps (the default) would fill a 4-step period: cut to one step fewer than the period
     short = plan_schedule(4, "step", "auto", 1.1, steps_per_epoch=math.inf, total_steps=1000)
     assert isinstance(short, Schedule) and short.probe_steps == 3
@@ -225,9 +256,9 @@ def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
     assert isinstance(unknown, Schedule) and (unknown.probe_steps, unknown.probe_every) == (4, 1)
     assert unknown.first_window_end == WARMUP_STEPS + 2
     # 30 steps an epoch, 150 steps: the first window measures 2 steady steps (6 of 150 at 2x: 4% of the fit), the
-    # selection closing it comes at once, not at the next epoch; the 4.5 probe steps allowed leave no other window
+    # selection closing it comes at once, not at the next epoch; the 3.75 probe steps allowed leave no other window
     user = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(30,), total_steps=150)
-    assert user == Schedule(1, "epoch", 4, (30,), probe_every=5, total_steps=150, first_probe_steps=6)
+    assert user == Schedule(1, "epoch", 3, (30,), probe_every=5, total_steps=150, first_probe_steps=6)
     assert [s for s in range(150) if user.window_end(s) is not None] == [0, 1, 2, 3, 4, 5]
     assert not user.selects_at_epoch_start(6) and user.selects_at_epoch_start(30 * 5)
     assert user.probe_steps_between(0, 150) == 6 and user.probe_steps_between(3, 150) == 3
