@@ -228,7 +228,7 @@ def reach_shortening(
         True
     """
     limit = reach_of(schedule)
-    if schedule.first_probe_steps and limit.this_fit < speedup:
+    if schedule.first_probe_steps > schedule.probe_steps and limit.this_fit < speedup:
         short = replace(schedule, first_probe_steps=0)
         shorter = reach_of(short)
         if shorter.this_fit > limit.this_fit:

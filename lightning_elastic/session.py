@@ -142,7 +142,7 @@ class FitSession:
         total, prof = (self.plan.total_steps if calibrate else None), self.profile
         if self.settings.probe_steps == "auto":  # a resumed fit's restored profile cost it nothing: windows as cached
             spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
-            self.schedule = windows.after_profile(self.schedule, self.plan.speedup, spent)
+            self.schedule = windows.after_profile(self.schedule, self.plan.speedup, spent, self.warmup.warm)
         model = StepTimeModel.from_profile(prof)
         self.schedule, limit = reach_shortening(
             self.schedule,
@@ -290,7 +290,7 @@ class FitSession:
             self.totals["probe_steps"] += 1
         if self.warming or self.steps_timed == 1:  # what the fit's first step, or a new set's, compiled is the fit's
             self.compiled_codes.collect()
-        if self.warming or self.steps_timed <= windows.WARMUP_STEPS:
+        if self.warming or self.steps_timed <= self.warmup.warmup_steps:
             # One of the process's first steps, or the first step with a new trainable set of a compiled module
             # (torch.compile guards on `requires_grad`): charged to the fit, but no sample of the steady step time
             # that `T` and the correction read.

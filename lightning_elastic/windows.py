@@ -22,6 +22,10 @@ from lightning_elastic.schedule import IntervalUnit, Schedule
 # Lite0 on ELPV, steps 1-3 took 0.76-0.89 s against 0.62-0.66 s after; MiniLM on e-mails, step 1 took 1.01 s against
 # 0.62 s plain-timed, and a first selected step at step 2 1.37 s against 0.26 s for the next three.
 WARMUP_STEPS = 4
+# ... except in a process whose measured profile was timed here: its passes warmed it up, and only the fit's first
+# step (the profile's first pass) is slow. Lite0 on Fashion-MNIST at 2x, 5 seeds: steps 2-6 took 0.45-0.56 s after
+# the measured profile, against a median step of 0.46-0.50 s of the full runs (whose first step took 0.62-0.70 s).
+PROFILED_WARMUP_STEPS = 1
 # Auto probe windows: their steps, counted whole as the summary counts them, and the fit's first profile take at most
 # this share of the planned fit (`total_steps / speedup` full steps): the callback's own-time target. Until 2026-11-27
 # the windows' *extra* cost (a probe step's `T` less the `T / s` of the selected step it replaces) was held to 3%,
@@ -114,24 +118,31 @@ def auto_probe_plan(
     return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)), first=max(first, steps))
 
 
-def after_profile(schedule: Schedule, speedup: float, spent: float) -> Schedule:
-    """An auto schedule's windows after the first once the fit's first profile is paid: its `spent` full steps come
-    out of `OWN_SHARE` (`auto_probe_plan`), the first window keeps its length (it may be under way). A fit of
-    unknown length or epoch length keeps its schedule: it probes before every selection.
+def after_profile(schedule: Schedule, speedup: float, spent: float, warm: bool = False) -> Schedule:
+    """An auto schedule's windows once the fit's first profile is paid: its `spent` full steps come out of `OWN_SHARE`
+    (`auto_probe_plan`). The first window (it may be under way) keeps its length, but for a process that timed a
+    measured profile (`warm`): its long first window warms up for `PROFILED_WARMUP_STEPS` only, and the steps it
+    saves go to the later windows. A fit of unknown length or epoch length keeps its schedule: it probes before every
+    selection.
 
     Example:
         >>> planned = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(100,), total_steps=400)
         >>> planned.probe_every, after_profile(planned, 2.0, spent=3.0).probe_every  # 10 steps; 7 left, then 6
         (2, 4)
+        >>> after_profile(planned, 2.0, spent=6.0, warm=True).first_window_end  # 6 + 3 steps of 10
+        3
     """
     total, period = schedule.total_steps, schedule.period
     if math.isinf(total) or math.isinf(period):
         return schedule
+    first = schedule.first_steps
+    if warm and schedule.first_probe_steps == first_window():
+        first = PROFILED_WARMUP_STEPS + FIRST_STEADY_STEPS
     selections = 1 + schedule.selections_until(int(total) - 1)
-    probes = auto_probe_plan(int(total), selections, speedup, period, spent)
+    probes = auto_probe_plan(int(total), selections, speedup, period, spent - (schedule.first_steps - first))
     if not schedule.first_probe_steps:  # the first window is `probe_steps` long (and may be under way): they stay
         return replace(schedule, probe_every=probes.every)
-    return replace(schedule, probe_steps=probes.steps, probe_every=probes.every)
+    return replace(schedule, probe_steps=probes.steps, probe_every=probes.every, first_probe_steps=first)
 
 
 @dataclass(frozen=True)
@@ -245,6 +256,7 @@ class FirstWindow:
     Attributes:
         cold: the process did not time its profile (a cached, given or restored one): it may still be warming up
             after `WARMUP_STEPS`, so the window runs on while it is (`runs_on`).
+        warm: the process timed a measured profile: it warms up for `PROFILED_WARMUP_STEPS` (`warmup_steps`).
         warm_step: a warm process's full step, as a fit with this profile measured it (`TimingProfile.t_step`; 0:
             not known).
         ran_on: steps the window ran on past its length.
@@ -261,11 +273,17 @@ class FirstWindow:
     """
 
     cold: bool = False
+    warm: bool = False
     warm_step: float = 0.0
     ran_on: int = 0
     updates: list[float] = field(default_factory=list)
     full_seconds: float = 0.0
     full_steps: int = 0
+
+    @property
+    def warmup_steps(self) -> int:
+        """The process's first steps that are charged to the fit but are no samples of its steady step time."""
+        return PROFILED_WARMUP_STEPS if self.warm else WARMUP_STEPS
 
     def excess(self, full_step: float) -> float:
         """Seconds the process's warm-up full steps took beyond `full_step` each: what the same fit without the

@@ -356,8 +356,9 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     """A process with a cached or given profile warms up for longer than the warm-up steps (MiniLM: steps 5-6 at
     1.45x the profile's full step, steady from step 7). Its first window runs on until 2 steady steps came within 1.2x
     of the profile's step, and `T` is those steps, exactly the steady full step; the fit lands on the asked speedup.
-    A process that profiled this fit (the profiling passes warmed it) takes the window's steps as they come, as
-    before: there `T` is the slow steps' mean."""
+    A process that measured its profile in this fit (the profiling passes warmed it) warms up for its first step
+    only and takes the window's next 2 steps as they come: there the window ends after 3 steps and `T` is the slow
+    steps' mean."""
     device = VirtualDevice(1.0, slow=(windows.WARMUP_STEPS + 2, 1.45))  # steps 0-5 slow, the first window's samples too
     callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
     original = callback._begin
@@ -371,7 +372,8 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     said = f"{windows.first_window()} probe steps before the first selection (up to {windows.COLD_STEPS} more while"
     assert (said in caplog.text) is not profiled  # the start message says what the window may cost
     if profiled:
-        assert fit.warmup.ran_on == 0 and callback.history[0].step == windows.WARMUP_STEPS + 2
+        assert fit.warmup.warm and fit.warmup.ran_on == 0
+        assert callback.history[0].step == windows.PROFILED_WARMUP_STEPS + windows.FIRST_STEADY_STEPS
         assert callback.history[0].full_seconds == pytest.approx(1.45 * PROFILE.t_full)
         return
     assert fit.warmup.ran_on == windows.COLD_SAMPLES and callback.history[0].step == windows.WARMUP_STEPS + 2 + 2

@@ -132,10 +132,16 @@ def test_the_first_profile_comes_out_of_the_later_windows_and_the_first_window_k
     long = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(100,), total_steps=1000)
     assert isinstance(long, Schedule) and long.probe_steps_between(0, 1000) == 22
     assert after_profile(long, 2.0, spent=7.0).probe_steps_between(0, 1000) == 18
+    # a process that timed its measured profile warms up for its first step only: a first window of 3, and the 15
+    # steps the profile leaves after it give 3 windows of 4 (a fourth would need 16)
+    warm = after_profile(long, 2.0, spent=7.0, warm=True)
+    assert (warm.first_window_end, warm.probe_steps_between(0, 1000)) == (3, 15)
+    fashion = after_profile(planned, 2.0, spent=6.0, warm=True)
+    assert (fashion.first_window_end, fashion.probe_steps_between(0, 400)) == (3, 3)  # 6 + 3 of 10
     # a first window as long as the others (no room for 6 steps before a selection every 5): it keeps its length
     short = plan_schedule(1, "epoch", "auto", 1.5, steps_per_epoch=(5,), total_steps=100)
     assert isinstance(short, Schedule) and (short.first_window_end, short.probe_steps, short.first_probe_steps) == (3, 3, 0)
-    assert after_profile(short, 1.5, spent=2.0) == short
+    assert after_profile(short, 1.5, spent=2.0) == short == after_profile(short, 1.5, spent=2.0, warm=True)
     # unknown length: a window before every selection, whatever profiling cost
     unknown = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=math.inf, total_steps=None)
     assert isinstance(unknown, Schedule) and after_profile(unknown, 2.0, spent=50.0) == unknown
