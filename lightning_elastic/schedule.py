@@ -143,6 +143,13 @@ class Schedule:
         overwritten = following - first <= self.probe_steps and self.probed(following)
         return following if overwritten else first
 
+    @property
+    def selections(self) -> int | None:
+        """Selections in the fit, the first included (None: its length or its epochs' length unknown)."""
+        if math.isinf(self.total_steps) or math.isinf(self.period):
+            return None
+        return 1 + self.selections_until(int(self.total_steps) - 1)
+
     def selections_until(self, step: int) -> int:
         """How many selections after the first come into force at or before optimizer step `step`."""
         if self.unit == "step":

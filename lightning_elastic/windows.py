@@ -132,14 +132,14 @@ def after_profile(schedule: Schedule, speedup: float, spent: float, warm: bool =
         >>> after_profile(planned, 2.0, spent=6.0, warm=True).first_window_end  # 6 + 3 steps of 10
         3
     """
-    total, period = schedule.total_steps, schedule.period
-    if math.isinf(total) or math.isinf(period):
+    if (selections := schedule.selections) is None:
         return schedule
     first = schedule.first_steps
     if warm and schedule.first_probe_steps == first_window():
         first = PROFILED_WARMUP_STEPS + FIRST_STEADY_STEPS
-    selections = 1 + schedule.selections_until(int(total) - 1)
-    probes = auto_probe_plan(int(total), selections, speedup, period, spent - (schedule.first_steps - first))
+    saved = schedule.first_steps - first  # what the shorter first window leaves the later ones
+    total = int(schedule.total_steps)
+    probes = auto_probe_plan(total, selections, speedup, schedule.period, spent - saved)
     if not schedule.first_probe_steps:  # the first window is `probe_steps` long (and may be under way): they stay
         return replace(schedule, probe_every=probes.every)
     return replace(schedule, probe_steps=probes.steps, probe_every=probes.every, first_probe_steps=first)
@@ -177,8 +177,7 @@ def plan_schedule(
     shape = Schedule(interval, unit, 0, steps_per_epoch, 1, total_steps or math.inf)
     period = shape.period
     if probe_steps == "auto":
-        selections = None if total_steps is None or math.isinf(period) else 1 + shape.selections_until(total_steps - 1)
-        probes = auto_probe_plan(total_steps, selections, speedup, period)
+        probes = auto_probe_plan(total_steps, shape.selections, speedup, period)
         steps, every, first = probes.steps, probes.every, probes.first
     else:
         steps, every, first = int(probe_steps), 1, int(probe_steps)
