@@ -245,8 +245,8 @@ class ElasticTensorSelection(Callback):
         resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)
-        cold = fit.warmup.cold and fit.in_first_window  # a process resumed after its first selection runs on no window
-        reporting.announce(trainer, prof, settings.speedup, total_steps, fit.schedule, cold)
+        run_on = fit.warmup.run_on_limit(fit.schedule.first_steps) if fit.in_first_window else 0  # none once resumed
+        reporting.announce(trainer, prof, settings.speedup, total_steps, fit.schedule, run_on)
         fit.charge_start(profile_seconds + settings.clock() - started)
         return fit
 

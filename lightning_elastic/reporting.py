@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.inspection import module_rows, profile_table
 from lightning_elastic.planner import WallClockPlan, at_most
@@ -53,10 +52,10 @@ def contract_metrics(plan: WallClockPlan) -> dict[str, float]:
 
 
 def start_message(
-    profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, cold: bool = False
+    profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, run_on: int = 0
 ) -> str:
-    r"""What the fit starts with: the profile's figures, the target and the schedule; with `cold` (this process did
-    not time its profile), the steps its first window may run on while the process warms up (`windows.FirstWindow`).
+    r"""What the fit starts with: the profile's figures, the target and the schedule, and the steps its first window
+    may `run_on` while the process warms up (`windows.FirstWindow.run_on_limit`).
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
@@ -67,8 +66,7 @@ def start_message(
         3 probe steps before the first selection, 3 before every 1 of the selections every 1 epoch(s)
     """
     steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
-    runs_on = cold and schedule.first_steps > windows.WARMUP_STEPS  # only steady steps tell whether it warmed up
-    more = f" (up to {windows.COLD_STEPS} more while this process warms up)" if runs_on else ""
+    more = f" (up to {run_on} more while this process warms up)" if run_on else ""
     return (
         f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
         f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
@@ -79,10 +77,10 @@ def start_message(
 
 
 def announce(
-    trainer: L.Trainer, profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, cold: bool
+    trainer: L.Trainer, profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, run_on: int
 ) -> None:
     """The start message to the console; the profile's table and the charts to TensorBoard."""
-    rank_zero_info(start_message(profile, speedup, total_steps, schedule, cold))
+    rank_zero_info(start_message(profile, speedup, total_steps, schedule, run_on))
     for writer in tensorboard_writers(trainer):
         writer.add_text("elastic/profile", profile_table(profile), trainer.global_step)
         writer.add_custom_scalars(CHARTS)

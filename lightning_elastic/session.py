@@ -142,7 +142,7 @@ class FitSession:
         total, prof = (self.plan.total_steps if calibrate else None), self.profile
         if self.settings.probe_steps == "auto":  # a resumed fit's restored profile cost it nothing: windows as cached
             spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
-            self.schedule = windows.after_profile(self.schedule, self.plan.speedup, spent, self.warmup.warm)
+            self.schedule = windows.after_profile(self.schedule, self.plan.speedup, spent, self.warmup.warmup_steps)
         model = StepTimeModel.from_profile(prof)
         self.schedule, limit = reach_shortening(
             self.schedule,

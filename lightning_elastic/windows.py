@@ -25,6 +25,8 @@ WARMUP_STEPS = 4
 # ... except in a process whose measured profile was timed here: its passes warmed it up, and only the fit's first
 # step (the profile's first pass) is slow. Lite0 on Fashion-MNIST at 2x, 5 seeds: steps 2-6 took 0.45-0.56 s after
 # the measured profile, against a median step of 0.46-0.50 s of the full runs (whose first step took 0.62-0.70 s).
+# A cold process (below) that knows its warm step (`FirstWindow.warm_step`) also plans one: it tells a step still
+# warming up from a steady one by that step, and runs on past those (`cold_window_runs_on`), however many there are.
 PROFILED_WARMUP_STEPS = 1
 # Auto probe windows: their steps, counted whole as the summary counts them, and the fit's first profile take at most
 # this share of the planned fit (`total_steps / speedup` full steps): the callback's own-time target. Until 2026-11-27
@@ -46,7 +48,10 @@ FIRST_STEADY_STEPS, FIRST_WINDOW_SHARE = 2, 0.10
 # fit missed its speedup. So its first window runs on, a step at a time and at most COLD_STEPS steps, until
 # COLD_SAMPLES of its steady steps came within COLD_CEILING of a warm step (the steady step a fit with the profile
 # remembered, `TimingProfile.t_step`, else the profile's pass); `T` is then those steps (all of them when none came
-# within: the device is slower than when profiled).
+# within: the device is slower than when profiled). With a remembered step the window plans PROFILED_WARMUP_STEPS
+# and may run on by the warm-up steps it did not plan as well, as far as the longest window before: Lite0 on ELPV at
+# 96 px, cached runs' steps 2-5 took 0.48-0.55 s against the 0.47 s remembered (a full run's first step 0.62 s, its
+# next 0.41-0.55 s), and a 150-step fit's 6-step window was 8% of it.
 COLD_CEILING, COLD_SAMPLES, COLD_STEPS = 1.2, 2, 3
 
 
@@ -118,25 +123,25 @@ def auto_probe_plan(
     return ProbePlan(steps=steps, every=max(1, math.ceil(selections / windows)), first=max(first, steps))
 
 
-def after_profile(schedule: Schedule, speedup: float, spent: float, warm: bool = False) -> Schedule:
+def after_profile(schedule: Schedule, speedup: float, spent: float, warmup_steps: int = WARMUP_STEPS) -> Schedule:
     """An auto schedule's windows once the fit's first profile is paid: its `spent` full steps come out of `OWN_SHARE`
-    (`auto_probe_plan`). The first window (it may be under way) keeps its length, but for a process that timed a
-    measured profile (`warm`): its long first window warms up for `PROFILED_WARMUP_STEPS` only, and the steps it
-    saves go to the later windows. A fit of unknown length or epoch length keeps its schedule: it probes before every
-    selection.
+    (`auto_probe_plan`). The first window (it may be under way) keeps its length, but for a process that warms up for
+    fewer than `WARMUP_STEPS` (`FirstWindow.warmup_steps`: it timed a measured profile, or knows its warm step): its
+    long first window warms up for those `warmup_steps` only, and the steps it saves go to the later windows. A fit of
+    unknown length or epoch length keeps its schedule: it probes before every selection.
 
     Example:
         >>> planned = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(100,), total_steps=400)
         >>> planned.probe_every, after_profile(planned, 2.0, spent=3.0).probe_every  # 10 steps; 7 left, then 6
         (2, 4)
-        >>> after_profile(planned, 2.0, spent=6.0, warm=True).first_window_end  # 6 + 3 steps of 10
+        >>> after_profile(planned, 2.0, spent=6.0, warmup_steps=1).first_window_end  # 6 + 3 steps of 10
         3
     """
     if (selections := schedule.selections) is None:
         return schedule
     first = schedule.first_steps
-    if warm and schedule.first_probe_steps == first_window():
-        first = PROFILED_WARMUP_STEPS + FIRST_STEADY_STEPS
+    if warmup_steps < WARMUP_STEPS and schedule.first_probe_steps == first_window():
+        first = warmup_steps + FIRST_STEADY_STEPS
     saved = schedule.first_steps - first  # what the shorter first window leaves the later ones
     total = int(schedule.total_steps)
     probes = auto_probe_plan(total, selections, speedup, schedule.period, spent - saved)
@@ -209,7 +214,9 @@ def late_first_window(schedule: Schedule) -> str | None:
     )
 
 
-def cold_window_runs_on(samples: list[float], reference: float, ran_on: int, room: float) -> bool:
+def cold_window_runs_on(
+    samples: list[float], reference: float, ran_on: int, room: float, most: int = COLD_STEPS
+) -> bool:
     """Whether the first window of a process that did not time its profile runs on one step more (see COLD_STEPS).
 
     Args:
@@ -217,6 +224,7 @@ def cold_window_runs_on(samples: list[float], reference: float, ran_on: int, roo
         reference: a warm process's full step (`FirstWindow.reference`: the remembered `t_step`, else the pass).
         ran_on: steps the window already ran on past its length.
         room: optimizer steps from now until the schedule changes the trainable set anyway.
+        most: steps it may run on at most (`FirstWindow.run_on_limit`).
 
     Example:
         >>> cold_window_runs_on([0.86, 0.86], reference=0.59, ran_on=0, room=40)  # still warming up
@@ -227,7 +235,7 @@ def cold_window_runs_on(samples: list[float], reference: float, ran_on: int, roo
         False
     """
     steady = len(_within_ceiling(samples, reference))
-    return bool(samples) and steady < COLD_SAMPLES and ran_on < COLD_STEPS and room > first_window()
+    return bool(samples) and steady < COLD_SAMPLES and ran_on < most and room > first_window()
 
 
 def steady_samples(samples: list[float], reference: float) -> list[float]:
@@ -281,8 +289,25 @@ class FirstWindow:
 
     @property
     def warmup_steps(self) -> int:
-        """The process's first steps that are charged to the fit but are no samples of its steady step time."""
-        return PROFILED_WARMUP_STEPS if self.warm else WARMUP_STEPS
+        """The process's first steps that are charged to the fit but are no samples of its steady step time: one in a
+        process that timed a measured profile, or that knows its `warm_step` (it leaves out the steps still warming up
+        by it, `samples`), else WARMUP_STEPS."""
+        return PROFILED_WARMUP_STEPS if self.warm or (self.cold and self.warm_step > 0) else WARMUP_STEPS
+
+    def run_on_limit(self, first_steps: int) -> int:
+        """Steps a first window of `first_steps` may run on: COLD_STEPS and the warm-up steps it did not plan in a
+        cold process (its longest window is as long as with WARMUP_STEPS), none in a warm one or in a window of
+        warm-up steps only (no steady step tells whether the process warmed up).
+
+        Example:
+            >>> FirstWindow(cold=True).run_on_limit(6), FirstWindow(cold=True, warm_step=0.6).run_on_limit(3)
+            (3, 6)
+            >>> FirstWindow(cold=True).run_on_limit(4), FirstWindow(warm=True).run_on_limit(3)
+            (0, 0)
+        """
+        if not self.cold or first_steps <= self.warmup_steps:
+            return 0
+        return COLD_STEPS + WARMUP_STEPS - self.warmup_steps
 
     def excess(self, full_step: float) -> float:
         """Seconds the process's warm-up full steps took beyond `full_step` each: what the same fit without the
@@ -303,11 +328,19 @@ class FirstWindow:
 
     def runs_on(self, samples: list[float], pass_step: float, room: float) -> bool:
         """Whether this process's window runs on one step more (`cold_window_runs_on`); never when it is warm."""
-        return self.cold and cold_window_runs_on(samples, self.reference(pass_step), self.ran_on, room)
+        most = COLD_STEPS + WARMUP_STEPS - self.warmup_steps  # `run_on_limit`: `samples` are steps past the warm-up
+        return self.cold and cold_window_runs_on(samples, self.reference(pass_step), self.ran_on, room, most)
 
     def samples(self, samples: list[float], pass_step: float) -> list[float]:
-        """The window's samples of `T`: all of them in a warm process, `steady_samples` in a cold one."""
-        return steady_samples(samples, self.reference(pass_step)) if self.cold else list(samples)
+        """The window's samples of `T`: all of them in a warm process, `steady_samples` in a cold one, whose steps
+        left out were still warming up: they join the warm-up steps that full fine-tuning pays as well (`excess`)."""
+        if not self.cold:
+            return list(samples)
+        kept = steady_samples(samples, self.reference(pass_step))
+        warming = [s for s in samples if s not in kept]
+        self.full_seconds += math.fsum(warming)
+        self.full_steps += len(warming)
+        return kept
 
     def prior_update(self, measured: bool) -> float:
         """Until a steady full step is `measured`, the optimizer update that `T` (the profile's pass, which lacks it)

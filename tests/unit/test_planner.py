@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from lightning_elastic import planner
+from lightning_elastic import planner, windows
 from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.records import Decision, Mask
@@ -134,14 +134,21 @@ def test_the_first_profile_comes_out_of_the_later_windows_and_the_first_window_k
     assert after_profile(long, 2.0, spent=7.0).probe_steps_between(0, 1000) == 18
     # a process that timed its measured profile warms up for its first step only: a first window of 3, and the 15
     # steps the profile leaves after it give 3 windows of 4 (a fourth would need 16)
-    warm = after_profile(long, 2.0, spent=7.0, warm=True)
+    one = windows.PROFILED_WARMUP_STEPS
+    warm = after_profile(long, 2.0, spent=7.0, warmup_steps=one)
     assert (warm.first_window_end, warm.probe_steps_between(0, 1000)) == (3, 15)
-    fashion = after_profile(planned, 2.0, spent=6.0, warm=True)
+    fashion = after_profile(planned, 2.0, spent=6.0, warmup_steps=one)
     assert (fashion.first_window_end, fashion.probe_steps_between(0, 400)) == (3, 3)  # 6 + 3 of 10
+    # a user's short fit, 150 steps of 5 epochs at 2x, cached (the key's pass, half a step): 3.75 steps of share; a
+    # cold process that knows its warm step warms up for one step as well: 3 probe steps, where 6 took 8% of the fit
+    user = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(30,), total_steps=150)
+    assert isinstance(user, Schedule) and user.probe_steps_between(0, 150) == 6
+    cached = after_profile(user, 2.0, spent=0.5, warmup_steps=one)
+    assert (cached.first_window_end, cached.probe_steps_between(0, 150)) == (3, 3)
     # a first window as long as the others (no room for 6 steps before a selection every 5): it keeps its length
     short = plan_schedule(1, "epoch", "auto", 1.5, steps_per_epoch=(5,), total_steps=100)
     assert isinstance(short, Schedule) and (short.first_window_end, short.probe_steps, short.first_probe_steps) == (3, 3, 0)
-    assert after_profile(short, 1.5, spent=2.0) == short == after_profile(short, 1.5, spent=2.0, warm=True)
+    assert after_profile(short, 1.5, spent=2.0) == short == after_profile(short, 1.5, spent=2.0, warmup_steps=one)
     # unknown length: a window before every selection, whatever profiling cost
     unknown = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=math.inf, total_steps=None)
     assert isinstance(unknown, Schedule) and after_profile(unknown, 2.0, spent=50.0) == unknown

@@ -23,6 +23,7 @@ from lightning_elastic.reporting import (
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.summary import FitSummary, fit_summary
 from lightning_elastic.time_model import StepTimeModel
+from lightning_elastic.windows import FirstWindow
 
 NAMES = ("stem.weight", "block.weight", "head.weight")
 NUMEL = (100, 300, 600)
@@ -129,15 +130,26 @@ def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
 
 
 @pytest.mark.parametrize(
-    ("first", "cold", "said"),
-    [(windows.first_window(), True, True), (windows.first_window(), False, False), (windows.WARMUP_STEPS, True, False)],
+    ("first", "window", "more"),
+    [
+        (windows.first_window(), FirstWindow(cold=True), windows.COLD_STEPS),
+        (windows.first_window(), FirstWindow(warm=True), 0),
+        (windows.WARMUP_STEPS, FirstWindow(cold=True), 0),
+        (3, FirstWindow(cold=True, warm_step=0.5), windows.COLD_STEPS + windows.WARMUP_STEPS - 1),
+    ],
+    ids=("cold", "warm", "cold, warm-up steps only", "cold, its warm step known"),
 )
-def test_start_message_says_a_cold_process_may_run_its_first_window_on(first: int, cold: bool, said: bool) -> None:
-    """Only a cold process whose first window has steady steps to judge its warm-up by can run on."""
-    message = start_message(PROFILE, 2.0, 240, Schedule(20, "step", 4, first_probe_steps=first), cold=cold)
-    more = f"(up to {windows.COLD_STEPS} more while this process warms up)"
-    assert (f"{first} probe steps before the first selection {more}" in message) is said
-    assert (more in message) is said
+def test_start_message_says_a_cold_process_may_run_its_first_window_on(
+    first: int, window: FirstWindow, more: int
+) -> None:
+    """Only a cold process whose first window has steady steps to judge its warm-up by can run on; one that knows
+    its warm step plans a shorter window and may run on by the warm-up steps it did not plan as well."""
+    run_on = window.run_on_limit(first)
+    assert run_on == more
+    message = start_message(PROFILE, 2.0, 240, Schedule(20, "step", 4, first_probe_steps=first), run_on)
+    said = f"(up to {more} more while this process warms up)"
+    assert (f"{first} probe steps before the first selection {said}" in message) is bool(more)
+    assert ("more while this process warms up" in message) is bool(more)
 
 
 def test_interval_metrics_compare_measured_with_predicted_and_measured_full_steps() -> None:
