@@ -319,6 +319,17 @@ def register_selective_allreduce(model: DistributedDataParallel) -> SelectiveAll
     return state
 
 
+def any_rank(strategy: Strategy, flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank (on one process: `flag`); a collective, which every rank must reach.
+
+    Example:
+        >>> any_rank(SingleDeviceStrategy("cpu"), True, torch.device("cpu"))
+        True
+    """
+    votes = torch.tensor([float(flag)], dtype=torch.float64, device=device)
+    return float(strategy.reduce(votes, reduce_op="sum").item()) > 0.0
+
+
 def install_selective_allreduce(strategy: Strategy) -> SelectiveAllReduce | None:
     """Under DDP: forget the profiler's backward passes and register `selective_allreduce_hook`.
 

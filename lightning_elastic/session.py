@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_elastic import windows
 from lightning_elastic.arguments import Settings
-from lightning_elastic.distributed import SelectiveAllReduce
+from lightning_elastic.distributed import SelectiveAllReduce, any_rank
 from lightning_elastic.freezing import (
     CompiledCodes,
     apply_bn_policy,
@@ -206,8 +205,7 @@ class FitSession:
         warming = not self.schedule.selects_at_epoch_start(step - self.warmup.ran_on) and self.warmup.runs_on(
             self.probe_full, self.plan.full_step, room
         )
-        votes = torch.tensor([float(warming)], dtype=torch.float64, device=self.params[0].device)
-        if float(trainer.strategy.reduce(votes, reduce_op="sum").item()) == 0.0:
+        if not any_rank(trainer.strategy, warming, self.params[0].device):
             return False
         self.warmup.ran_on += 1
         self.probe_end = step + 1

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from lightning_elastic import windows
+from lightning_elastic.distributed import any_rank
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
 from lightning_elastic.profiling.flops import tensors_in
@@ -169,9 +170,12 @@ def measure_profile(
             signature=signature,
             cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
         )
-    if trainer.world_size > 1:  # the same profile on every rank; whether this process timed it is its own
+    timed = phases.timed
+    if trainer.world_size > 1:  # the same profile on every rank, timed where every rank timed it: the first window's
+        # length follows from it (`windows.FirstWindow.warmup_steps`), and every rank must end that window alike
         profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
-    return Measured(profiled, phases.timed)
+        timed = not any_rank(trainer.strategy, not timed, pl_module.device)
+    return Measured(profiled, timed)
 
 
 class Measured(NamedTuple):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_elastic import ElasticTensorSelection, resume, windows
+from lightning_elastic.distributed import any_rank
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.session import FitSession
@@ -49,6 +50,14 @@ def test_every_rank_runs_on_when_any_rank_is_warming_up(mine: list[float], other
     trainer: Any = SimpleNamespace(strategy=OtherRanks(other))
     assert fit.runs_on(trainer, 6) is runs_on
     assert (fit.probe_end, fit.warmup.ran_on) == ((7, 1) if runs_on else (6, 0))
+
+
+@pytest.mark.parametrize(("mine", "other", "expected"), [(False, 0.0, False), (True, 0.0, True), (False, 1.0, True)])
+def test_a_flag_holds_on_any_rank_when_one_rank_votes_for_it(mine: bool, other: float, expected: bool) -> None:
+    """The vote that runs a first window on, and that makes a profile count as timed only where every rank timed
+    it (`harness.measure_profile`: the first window's length follows from it, and every rank must end it alike)."""
+    strategy: Any = OtherRanks(other)
+    assert any_rank(strategy, mine, torch.device("cpu")) is expected
 
 
 class NoCollective:
