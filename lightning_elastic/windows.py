@@ -25,9 +25,12 @@ WARMUP_STEPS = 4
 # ... except in a process whose measured profile was timed here: its passes warmed it up, and only the fit's first
 # step (the profile's first pass) is slow. Lite0 on Fashion-MNIST at 2x, 5 seeds: steps 2-6 took 0.45-0.56 s after
 # the measured profile, against a median step of 0.46-0.50 s of the full runs (whose first step took 0.62-0.70 s).
-# A cold process (below) that knows its warm step (`FirstWindow.warm_step`) also plans one: it tells a step still
-# warming up from a steady one by that step, and runs on past those (`cold_window_runs_on`), however many there are.
 PROFILED_WARMUP_STEPS = 1
+# A cold process (below) that knows its warm step (`FirstWindow.warm_step`) plans this many: it tells a step still
+# warming up by 20% from a steady one by that step, and runs on past those (`cold_window_runs_on`), but not a step a
+# few percent slow. MiniLM on e-mails, 5 seeds: steps 2-5 fell 3-8% (0.52, 0.50, 0.49, 0.48 s), and with one warm-up
+# step the cached runs' `T` (steps 2-3) came out 2-9% above the same seed's first run's (steps 5-6), the fits 1.88x.
+KNOWN_WARMUP_STEPS = 2
 # Auto probe windows: their steps, counted whole as the summary counts them, and the fit's first profile take at most
 # this share of the planned fit (`total_steps / speedup` full steps): the callback's own-time target. Until 2026-11-27
 # the windows' *extra* cost (a probe step's `T` less the `T / s` of the selected step it replaces) was held to 3%,
@@ -48,7 +51,7 @@ FIRST_STEADY_STEPS, FIRST_WINDOW_SHARE = 2, 0.10
 # fit missed its speedup. So its first window runs on, a step at a time and at most COLD_STEPS steps, until
 # COLD_SAMPLES of its steady steps came within COLD_CEILING of a warm step (the steady step a fit with the profile
 # remembered, `TimingProfile.t_step`, else the profile's pass); `T` is then those steps (all of them when none came
-# within: the device is slower than when profiled). With a remembered step the window plans PROFILED_WARMUP_STEPS
+# within: the device is slower than when profiled). With a remembered step the window plans KNOWN_WARMUP_STEPS
 # and may run on by the warm-up steps it did not plan as well, as far as the longest window before: Lite0 on ELPV at
 # 96 px, cached runs' steps 2-5 took 0.48-0.55 s against the 0.47 s remembered (a full run's first step 0.62 s, its
 # next 0.41-0.55 s), and a 150-step fit's 6-step window was 8% of it.
@@ -290,9 +293,11 @@ class FirstWindow:
     @property
     def warmup_steps(self) -> int:
         """The process's first steps that are charged to the fit but are no samples of its steady step time: one in a
-        process that timed a measured profile, or that knows its `warm_step` (it leaves out the steps still warming up
-        by it, `samples`), else WARMUP_STEPS."""
-        return PROFILED_WARMUP_STEPS if self.warm or (self.cold and self.warm_step > 0) else WARMUP_STEPS
+        process that timed a measured profile, KNOWN_WARMUP_STEPS in a cold one that knows its `warm_step` (it leaves
+        out the steps still warming up by it, `samples`), else WARMUP_STEPS."""
+        if self.warm:
+            return PROFILED_WARMUP_STEPS
+        return KNOWN_WARMUP_STEPS if self.cold and self.warm_step > 0 else WARMUP_STEPS
 
     def run_on_limit(self, first_steps: int) -> int:
         """Steps a first window of `first_steps` may run on: COLD_STEPS and the warm-up steps it did not plan in a
@@ -300,8 +305,8 @@ class FirstWindow:
         warm-up steps only (no steady step tells whether the process warmed up).
 
         Example:
-            >>> FirstWindow(cold=True).run_on_limit(6), FirstWindow(cold=True, warm_step=0.6).run_on_limit(3)
-            (3, 6)
+            >>> FirstWindow(cold=True).run_on_limit(6), FirstWindow(cold=True, warm_step=0.6).run_on_limit(4)
+            (3, 5)
             >>> FirstWindow(cold=True).run_on_limit(4), FirstWindow(warm=True).run_on_limit(3)
             (0, 0)
         """

@@ -287,7 +287,7 @@ def test_a_cold_first_window_holds_its_steps_against_the_steady_step_a_fit_remem
     """A cached profile whose pass came out high (the device's steady step is 0.8 of it) and a process still warming
     up for 6 steps (at 1.4x its steady step: 1.12 of the pass). Held against the pass, the warming steps count as
     warm and `T` comes out 40% high (the reference, before: MiniLM's cached seed 0, `T` 18% high). Held against the
-    steady step a fit with this profile measured (`t_step`), the window plans one warm-up step and runs on, by the 3
+    steady step a fit with this profile measured (`t_step`), the window plans 2 warm-up steps and runs on, by the 2
     warm-up steps it did not plan and more, until 2 steady steps came: `T` is exactly the steady step, and the steps
     it left out are warm-up that full fine-tuning pays too: the plan's full fit is exactly the device's (before, it
     left out the steps the window ran on: 1.3% short)."""
@@ -302,18 +302,18 @@ def test_a_cold_first_window_holds_its_steps_against_the_steady_step_a_fit_remem
     if not remembered:
         assert fit.warmup.ran_on == 0 and callback.history[0].full_seconds == pytest.approx(1.4 * steady)
         return
-    assert fit.warmup.warmup_steps == windows.PROFILED_WARMUP_STEPS == 1
-    assert fit.warmup.ran_on == 5 and callback.history[0].step == windows.first_window() + 2  # as far as before
+    assert fit.warmup.warmup_steps == windows.KNOWN_WARMUP_STEPS == 2
+    assert fit.warmup.ran_on == 4 and callback.history[0].step == windows.first_window() + 2  # as far as before
     assert callback.history[0].full_seconds == pytest.approx(steady)
-    assert fit.plan.warmup == pytest.approx(6 * 0.4 * steady)  # its first step and the 5 it left out
+    assert fit.plan.warmup == pytest.approx(6 * 0.4 * steady)  # its 2 warm-up steps and the 4 it left out
     assert callback.summary()["full_fit_seconds"] == pytest.approx(device.full_seconds)
 
 
 @pytest.mark.parametrize("remembered", [False, True])
-def test_a_cold_process_that_knows_its_warm_step_plans_one_warm_up_step(remembered: bool) -> None:
+def test_a_cold_process_that_knows_its_warm_step_plans_fewer_warm_up_steps(remembered: bool) -> None:
     """A cached profile and a process slow in its first step only (Lite0 on ELPV at 96 px: a full run's first step
-    0.62 s, the next 0.41-0.55 s). Knowing the steady step a fit remembered, the first window warms up for one step
-    and ends after 3, with `T` exactly the steady step, and the fit lands on the asked speedup; without it the window
+    0.62 s, the next 0.41-0.55 s). Knowing the steady step a fit remembered, the first window warms up for 2 steps
+    and ends after 4, with `T` exactly the steady step, and the fit lands on the asked speedup; without it the window
     is 6 steps (4 warm-up ones), which in a 150-step fit at 2x took 8% of it."""
     prof = dataclasses.replace(PROFILE, t_step=PROFILE.t_full if remembered else 0.0)
     device = VirtualDevice(1.0, slow=(1, 1.6))
@@ -322,7 +322,7 @@ def test_a_cold_process_that_knows_its_warm_step_plans_one_warm_up_step(remember
     tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
     fit = callback._fit
     assert fit is not None and fit.warmup.cold and fit.warmup.ran_on == 0
-    first = windows.PROFILED_WARMUP_STEPS + windows.FIRST_STEADY_STEPS if remembered else windows.first_window()
+    first = windows.KNOWN_WARMUP_STEPS + windows.FIRST_STEADY_STEPS if remembered else windows.first_window()
     assert callback.history[0].step == first == fit.schedule.first_steps
     assert [r.full_seconds for r in callback.history] == pytest.approx([PROFILE.t_full] * len(callback.history))
     assert callback.summary()["full_fit_seconds"] == pytest.approx(device.full_seconds)

@@ -537,7 +537,8 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     """The measured profile's passes warm the process up: its first window (auto, 6 steps planned) warms up for its
     first step only and times `T` on the next 2, so it ends after 3 steps; the selection comes at once. A later fit
     that reads the profile from the cache did not time it, but knows the steady step the first fit remembered in it:
-    its window is 3 steps as well, and runs on while its steps are not yet within 1.2x of that step."""
+    its window warms up for 2 steps and ends after 4, and runs on while its steps are not yet within 1.2x of that
+    step."""
     timed = elastic(tmp_path, probe_steps="auto", time_model="measured", interval=2)  # selections every 16 steps
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit
@@ -550,5 +551,5 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     again = cached._fit
     assert again is not None and again.warmup.cold and not again.warmup.warm
     assert again.warmup.warm_step > 0  # the steady step the first fit remembered in the cache
-    assert again.schedule.first_steps == 3 and cached.history[0].step == 3 + again.warmup.ran_on
-    assert again.warmup.full_steps >= windows.PROFILED_WARMUP_STEPS  # its first step, and any steps left out of `T`
+    assert again.schedule.first_steps == 4 and cached.history[0].step == 4 + again.warmup.ran_on
+    assert again.warmup.full_steps >= windows.KNOWN_WARMUP_STEPS  # and any steps left out of `T`

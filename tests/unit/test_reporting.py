@@ -135,7 +135,7 @@ def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
         (windows.first_window(), FirstWindow(cold=True), windows.COLD_STEPS),
         (windows.first_window(), FirstWindow(warm=True), 0),
         (windows.WARMUP_STEPS, FirstWindow(cold=True), 0),
-        (3, FirstWindow(cold=True, warm_step=0.5), windows.COLD_STEPS + windows.WARMUP_STEPS - 1),
+        (4, FirstWindow(cold=True, warm_step=0.5), windows.COLD_STEPS + windows.WARMUP_STEPS - 2),
     ],
     ids=("cold", "warm", "cold, warm-up steps only", "cold, its warm step known"),
 )
