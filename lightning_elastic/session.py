@@ -224,7 +224,7 @@ class FitSession:
         assert end is not None
         self.probe_end = None
         first = self.in_first_window
-        samples = self.warmup.samples(self.probe_full, self.plan.full_step) if first else self.probe_full
+        samples = self.warmup.take_samples(self.probe_full, self.plan.full_step) if first else self.probe_full
         self.plan.observe_full_steps(samples)
         if first:
             self.plan.full_step += self.prior_update  # 0 once the window measured a steady step

@@ -276,8 +276,10 @@ class FirstWindow:
 
     Example:
         >>> window = FirstWindow(cold=True, warm_step=0.59)
-        >>> window.runs_on([0.86, 0.86], pass_step=0.67, room=40), window.samples([0.86, 0.60, 0.62], pass_step=0.67)
-        (True, [0.6, 0.62])
+        >>> window.runs_on([0.86, 0.86], pass_step=0.67, room=40)
+        True
+        >>> window.take_samples([0.86, 0.60, 0.62], pass_step=0.67)
+        [0.6, 0.62]
         >>> FirstWindow(updates=[0.18, 0.07]).prior_update(measured=False)
         0.07
     """
@@ -294,7 +296,7 @@ class FirstWindow:
     def warmup_steps(self) -> int:
         """The process's first steps that are charged to the fit but are no samples of its steady step time: one in a
         process that timed a measured profile, KNOWN_WARMUP_STEPS in a cold one that knows its `warm_step` (it leaves
-        out the steps still warming up by it, `samples`), else WARMUP_STEPS."""
+        out the steps still warming up by it, `take_samples`), else WARMUP_STEPS."""
         if self.warm:
             return PROFILED_WARMUP_STEPS
         return KNOWN_WARMUP_STEPS if self.cold and self.warm_step > 0 else WARMUP_STEPS
@@ -310,8 +312,11 @@ class FirstWindow:
             >>> FirstWindow(cold=True).run_on_limit(4), FirstWindow(warm=True).run_on_limit(3)
             (0, 0)
         """
-        if not self.cold or first_steps <= self.warmup_steps:
-            return 0
+        return self._most_run_on if self.cold and first_steps > self.warmup_steps else 0
+
+    @property
+    def _most_run_on(self) -> int:
+        """COLD_STEPS and the warm-up steps this process's window did not plan."""
         return COLD_STEPS + WARMUP_STEPS - self.warmup_steps
 
     def excess(self, full_step: float) -> float:
@@ -333,12 +338,13 @@ class FirstWindow:
 
     def runs_on(self, samples: list[float], pass_step: float, room: float) -> bool:
         """Whether this process's window runs on one step more (`cold_window_runs_on`); never when it is warm."""
-        most = COLD_STEPS + WARMUP_STEPS - self.warmup_steps  # `run_on_limit`: `samples` are steps past the warm-up
-        return self.cold and cold_window_runs_on(samples, self.reference(pass_step), self.ran_on, room, most)
+        reference, most = self.reference(pass_step), self._most_run_on
+        return self.cold and cold_window_runs_on(samples, reference, self.ran_on, room, most)
 
-    def samples(self, samples: list[float], pass_step: float) -> list[float]:
-        """The window's samples of `T`: all of them in a warm process, `steady_samples` in a cold one, whose steps
-        left out were still warming up: they join the warm-up steps that full fine-tuning pays as well (`excess`)."""
+    def take_samples(self, samples: list[float], pass_step: float) -> list[float]:
+        """The window's samples of `T`, as it closes: all of them in a warm process, `steady_samples` in a cold one,
+        whose steps left out were still warming up: they join the warm-up steps that full fine-tuning pays as well
+        (`excess`)."""
         if not self.cold:
             return list(samples)
         kept = steady_samples(samples, self.reference(pass_step))
