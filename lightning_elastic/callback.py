@@ -49,7 +49,7 @@ from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_supported, fit_schedule, step_profile
 from lightning_elastic.summary import FitSummary, fit_summary
-from lightning_elastic.terms import off_plan, step_terms
+from lightning_elastic.terms import step_terms
 
 STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
 
@@ -312,16 +312,8 @@ class ElasticTensorSelection(Callback):
         if (fit := self._fit) is None or trainer.global_step == fit.step_at_batch_start:
             return  # off, or accumulating gradients: the optimizer step is still to come
         fit.after_optimizer_step()
-        step = trainer.global_step
-        if fit.probe_end is not None and step >= fit.probe_end:
-            if fit.runs_on(trainer, step):
-                return
-            if fit.end_window(trainer):  # else the selection waits for the epoch's start
-                self._select_and_apply(trainer, pl_module)
-        elif self._settings.interval_unit == "step" and fit.schedule.selects_at(step):
-            self._select_and_apply(trainer, pl_module)
-        elif self._settings.calibrate and off_plan(fit, trainer):
-            self._select_and_apply(trainer, pl_module, replanned=True)
+        if (due := fit.selection_due(trainer)) is not None:  # a window closed, an interval began, or off the plan
+            self._select_and_apply(trainer, pl_module, replanned=due == "replan")
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -37,7 +38,7 @@ from lightning_elastic.records import Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
-from lightning_elastic.terms import mean_over_ranks
+from lightning_elastic.terms import mean_over_ranks, off_plan
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepClock
 from lightning_elastic.windows import FirstWindow
@@ -210,6 +211,17 @@ class FitSession:
         self.warmup.ran_on += 1
         self.probe_end = step + 1
         return True
+
+    def selection_due(self, trainer: L.Trainer) -> Literal["window", "interval", "replan"] | None:
+        """After an optimizer step: whether a selection is due now, and why. A probe window ended (unless it runs on,
+        `runs_on`, or its selection waits for the epoch's start, `end_window`), a step interval began, or the
+        selection in force runs off the plan (`terms.off_plan`, with `calibrate`)."""
+        step = trainer.global_step
+        if self.probe_end is not None and step >= self.probe_end:
+            return "window" if not self.runs_on(trainer, step) and self.end_window(trainer) else None
+        if self.settings.interval_unit == "step" and self.schedule.selects_at(step):
+            return "interval"
+        return "replan" if self.settings.calibrate and off_plan(self, trainer) else None
 
     @property
     def in_first_window(self) -> bool:
