@@ -107,6 +107,8 @@ class Reach:
         profile_seconds: what profiling took this run.
         profile_steps: the same in full steps of the time model.
         selected_share: the share of the fit's steps that are selected steps (the others are probe steps).
+        own_steps: profiling and probe steps in full steps, the callback's own time as planned (`own_share`).
+        total_steps: optimizer steps of the fit (None: not known, or no plan to keep).
     """
 
     floor: float
@@ -116,6 +118,20 @@ class Reach:
     profile_seconds: float
     profile_steps: float
     selected_share: float = 1.0
+    own_steps: float = 0.0
+    total_steps: int | None = None
+
+    def own_share(self, speedup: float) -> float | None:
+        """The callback's own time as planned (profiling, probe steps counted whole) against the fit planned at
+        `speedup` (`total_steps / speedup` full steps); None when the fit's length is not known.
+
+        Example:
+            >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
+            >>> fit = reach(model, [False] * 2, [False] * 2, Schedule(10, "step", 2, total_steps=100), 100, 12.0, 6.0)
+            >>> fit.own_steps, fit.own_share(2.0)  # 2 full steps of profiling, 20 probe steps, of a 50-step plan
+            (22.0, 0.44)
+        """
+        return None if self.total_steps is None else self.own_steps * speedup / self.total_steps
 
     def room(self, speedup: float) -> float:
         """What a selected step may spend above the cheapest selection at `speedup`, on average over the fit and with
@@ -207,6 +223,8 @@ def reach(
         profile_seconds=profile_seconds,
         profile_steps=profile_steps,
         selected_share=max(total_steps - probes, 1) / max(total_steps, 1),
+        own_steps=profile_seconds / full_step + probes,
+        total_steps=total_steps,
     )
 
 

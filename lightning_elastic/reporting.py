@@ -22,6 +22,7 @@ from lightning_elastic.planner import WallClockPlan, at_most
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
+from lightning_elastic.windows import OWN_SHARE
 
 TEXT_NAMES = 24  # trained tensors named one by one in a selection's text; beyond, modules are named ...
 TEXT_MODULES = 8  # ... at most this many
@@ -52,10 +53,16 @@ def contract_metrics(plan: WallClockPlan) -> dict[str, float]:
 
 
 def start_message(
-    profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, run_on: int = 0
+    profile: TimingProfile,
+    speedup: float,
+    total_steps: int | None,
+    schedule: Schedule,
+    run_on: int = 0,
+    own_share: float | None = None,
 ) -> str:
-    r"""What the fit starts with: the profile's figures, the target and the schedule, and the steps its first window
-    may `run_on` while the process warms up (`windows.FirstWindow.run_on_limit`).
+    r"""What the fit starts with: the profile's figures, the target and the schedule, the steps its first window
+    may `run_on` while the process warms up (`windows.FirstWindow.run_on_limit`), and the callback's own time as
+    planned (`planner.Reach.own_share`), said when it is more than the `windows.OWN_SHARE` it keeps to in longer fits.
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
@@ -67,20 +74,33 @@ def start_message(
     """
     steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
     more = f" (up to {run_on} more while this process warms up)" if run_on else ""
+    own = ""
+    if own_share is not None and own_share > OWN_SHARE + 0.005:  # as the summary rounds it
+        own = (
+            f"; the callback's own time (profiling, and probe steps counted whole; inside the speedup) planned at "
+            f"{own_share:.0%} of this fit, over {OWN_SHARE:.0%}: its probe steps, full training steps that measure "
+            "importance and time the full step the plan keeps to, weigh more in a short fit"
+        )
     return (
         f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
         f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
         f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection{more}, "
         f"{schedule.probe_steps} before every {schedule.probe_every} of the selections every {schedule.interval} "
-        f"{schedule.unit}(s)"
+        f"{schedule.unit}(s){own}"
     )
 
 
 def announce(
-    trainer: L.Trainer, profile: TimingProfile, speedup: float, total_steps: int | None, schedule: Schedule, run_on: int
+    trainer: L.Trainer,
+    profile: TimingProfile,
+    speedup: float,
+    total_steps: int | None,
+    schedule: Schedule,
+    run_on: int,
+    own_share: float | None,
 ) -> None:
     """The start message to the console; the profile's table and the charts to TensorBoard."""
-    rank_zero_info(start_message(profile, speedup, total_steps, schedule, run_on))
+    rank_zero_info(start_message(profile, speedup, total_steps, schedule, run_on, own_share))
     for writer in tensorboard_writers(trainer):
         writer.add_text("elastic/profile", profile_table(profile), trainer.global_step)
         writer.add_custom_scalars(CHARTS)

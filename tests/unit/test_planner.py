@@ -321,8 +321,10 @@ def test_reach_counts_probe_steps_at_full_cost_and_the_rest_at_the_cheapest_step
     assert fit.this_fit == pytest.approx(40 / (2.0 + probes + 32 * floor))  # 14 s of profiling: two full steps
     assert fit.profile_steps == pytest.approx(2.0)
     assert fit.scope == "in a fit of 40 steps with 8 probe steps at full cost"
+    assert fit.own_share(2.0) == pytest.approx((2.0 + probes) / (40 / 2.0))  # 10 full steps of a 20-step plan
     per_step = reach(MODEL, [False, True, False], NONE, schedule, None, profile_seconds=14.0, full_step=7.0)
     assert per_step.reachable == per_step.this_fit == pytest.approx(7.0 / 4.0) and per_step.scope == "(per step)"
+    assert per_step.own_share(2.0) is None  # no length, no share of it
 
 
 def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone_costs() -> None:
