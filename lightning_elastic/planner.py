@@ -123,7 +123,8 @@ class Reach:
 
     def own_share(self, speedup: float) -> float | None:
         """The callback's own time as planned (profiling, probe steps counted whole) against the fit planned at
-        `speedup` (`total_steps / speedup` full steps); None when the fit's length is not known.
+        `speedup` (`total_steps / speedup` full steps); None when there is no plan of the whole fit (its length is not
+        known, or `calibrate` is off).
 
         Example:
             >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)

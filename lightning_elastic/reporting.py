@@ -16,13 +16,13 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.inspection import module_rows, profile_table
 from lightning_elastic.planner import WallClockPlan, at_most
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
-from lightning_elastic.windows import OWN_SHARE
 
 TEXT_NAMES = 24  # trained tensors named one by one in a selection's text; beyond, modules are named ...
 TEXT_MODULES = 8  # ... at most this many
@@ -61,8 +61,8 @@ def start_message(
     own_share: float | None = None,
 ) -> str:
     r"""What the fit starts with: the profile's figures, the target and the schedule, the steps its first window
-    may `run_on` while the process warms up (`windows.FirstWindow.run_on_limit`), and the callback's own time as
-    planned (`planner.Reach.own_share`), said when it is more than the `windows.OWN_SHARE` it keeps to in longer fits.
+    may `run_on` while the process warms up (`windows.FirstWindow.run_on_limit`), and elastic's own time as planned
+    (`planner.Reach.own_share`; None: not known), said when it is over `windows.OWN_SHARE` as the summary rounds it.
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
@@ -75,11 +75,12 @@ def start_message(
     steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
     more = f" (up to {run_on} more while this process warms up)" if run_on else ""
     own = ""
-    if own_share is not None and own_share > OWN_SHARE + 0.005:  # as the summary rounds it
+    if own_share is not None and own_share > windows.OWN_SHARE + 0.005:  # over 5% as the summary rounds it
         own = (
-            f"; the callback's own time (profiling, and probe steps counted whole; inside the speedup) planned at "
-            f"{own_share:.0%} of this fit, over {OWN_SHARE:.0%}: its probe steps, full training steps that measure "
-            "importance and time the full step the plan keeps to, weigh more in a short fit"
+            f"; profiling and probe steps (full training steps that measure importance and the full step's time), "
+            f"elastic's own time, are planned at {own_share:.0%} of this fit, above the {windows.OWN_SHARE:.0%} it "
+            f"keeps to in longer fits with automatic `probe_steps`: they count toward the {speedup:g}x, so the "
+            "selected steps have less time"
         )
     return (
         f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "

@@ -122,7 +122,8 @@ class PlanAtStart(Callback):
 
 def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan goes on from the checkpoint's account, and the resumed process's own start (here 100 s of the
-    clock as the fit begins) is charged on top of it, not dropped by the restore."""
+    clock as the fit begins) is charged on top of it, not dropped by the restore. Its start message gives no planned
+    own-time share (the whole fit's probe windows are not this process's to plan)."""
     device = VirtualDevice(1.0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=20, save_top_k=-1)
     first = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
@@ -138,8 +139,10 @@ def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     resumed = ElasticTensorSelection(speedup=1.5, profile=PROFILE, clock=device.clock, interval=2)
     watch = PlanAtStart(resumed)
     own_announce = reporting.announce
+    shares: list[float | None] = []
 
     def slow_announce(*args: Any) -> None:
+        shares.append(args[-1])
         device.now += 100.0
         own_announce(*args)
 
@@ -152,6 +155,7 @@ def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     expected = dataclasses.replace(saved_plan, spent=saved_plan.spent + 100.0, overhead=saved_plan.overhead + 100.0)
     assert watch.plan == pytest.approx(expected.state_dict(), rel=1e-12)  # the clock's differences round
     assert resumed.summary()["fit_speedup"] > 1.0
+    assert shares == [None]  # no own-time share of the whole fit announced: its start is spent
 
 
 class OffTheModel(VirtualDevice):

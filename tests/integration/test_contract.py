@@ -667,3 +667,26 @@ def test_a_warming_profile_and_the_wait_between_steps_leave_every_step_predicted
     resumed = session.FitSession.start(TinyNet(), fit.profile, fit.schedule, fit.plan, ElasticTensorSelection(clock=device.clock)._settings)
     resume.restore(resumed, resume.fit_state(fit))  # a checkpoint keeps the waits measured so far
     assert resumed.clock.loops == fit.clock.loops
+
+
+@pytest.mark.parametrize(("max_steps", "interval", "said"), [(40, 10, True), (192, 96, False)])
+def test_the_start_message_gives_the_own_time_planned_when_it_is_over_its_share(
+    max_steps: int, interval: int, said: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before training: 2-step windows before every selection, every 10 steps of a 40-step fit, are a fifth of its
+    steps (30% of its plan at 1.5x, the figure the schedule and the start's seconds give); every 96 steps of 192, 3%:
+    nothing said."""
+    device = VirtualDevice(1.0)
+    callback = ElasticTensorSelection(
+        speedup=1.5, interval=interval, interval_unit="step", probe_steps=2, profile=PROFILE, clock=device.clock
+    )
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[device, callback], max_steps=max_steps, max_epochs=-1).fit(TinyNet(), tiny_data())
+    fit = callback._fit
+    assert fit is not None
+    probes = fit.schedule.probe_steps_between(0, max_steps)
+    start = fit.totals["profile_seconds"] / PROFILE.t_full  # the start's seconds, in full steps
+    share = (start + probes) * 1.5 / max_steps
+    assert (share > 0.2) is said and (share < 0.05) is not said
+    assert (f"are planned at {share:.0%} of this fit, above the 5%" in caplog.text) is said
+    assert ("elastic's own time, are planned" in caplog.text) is said

@@ -129,16 +129,16 @@ def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
     )
 
 
-@pytest.mark.parametrize(("share", "said"), [(0.11, True), (0.054, False), (0.03, False), (None, False)])
+@pytest.mark.parametrize(("share", "said"), [(0.11, True), (0.056, True), (0.054, False), (0.03, False), (None, False)])
 def test_start_message_says_when_the_callbacks_own_time_is_planned_over_its_share(
     share: float | None, said: bool
 ) -> None:
     """Over `OWN_SHARE` as the summary rounds it (5%), with the planned share; a fit of unknown length says nothing."""
     message = start_message(PROFILE, 2.0, 150, Schedule(30, "step", 4, first_probe_steps=6), own_share=share)
     clause = (
-        "; the callback's own time (profiling, and probe steps counted whole; inside the speedup) planned at 11% of "
-        "this fit, over 5%: its probe steps, full training steps that measure importance and time the full step the "
-        "plan keeps to, weigh more in a short fit"
+        f"; profiling and probe steps (full training steps that measure importance and the full step's time), "
+        f"elastic's own time, are planned at {share or 0:.0%} of this fit, above the 5% it keeps to in longer fits "
+        "with automatic `probe_steps`: they count toward the 2x, so the selected steps have less time"
     )
     assert message.endswith(clause) is said
     assert ("own time" in message) is said
