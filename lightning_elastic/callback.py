@@ -238,7 +238,7 @@ class ElasticTensorSelection(Callback):
         plan = WallClockPlan(settings.speedup, total_steps, full_step=step.t_full)
         fit = FitSession.start(pl_module, step, schedule, plan, settings)
         self._fit = fit
-        fit.warmup.cold, fit.warmup.warm = not timed, timed and prof.method == "measured"
+        fit.warmup.profiled(timed, prof.method)
         limit = fit.reach(profile_seconds, settings.calibrate)
         if (warning := limit.check(settings.speedup)) is not None:  # raises if out of reach even with a cached profile
             rank_zero_warn(warning)

@@ -26,6 +26,11 @@ WARMUP_STEPS = 4
 # step (the profile's first pass) is slow. Lite0 on Fashion-MNIST at 2x, 5 seeds: steps 2-6 took 0.45-0.56 s after
 # the measured profile, against a median step of 0.46-0.50 s of the full runs (whose first step took 0.62-0.70 s).
 PROFILED_WARMUP_STEPS = 1
+# ... and in a process whose analytic profile was timed here, this many: its op-counting pass and plain timings (two
+# forward passes and a full step) after the fit's first step leave one more step slow. First runs at 2x of Lite0 on
+# ELPV (150 and 228 steps) and MiniLM on e-mails, 11 processes (2026-11-27): step 1 took 1.02-1.14x the mean of steps
+# 2-3, which took 0.88-1.11x step 4 (1.00 on the mean), the first step the 4 warm-up steps of WARMUP_STEPS sampled.
+ANALYTIC_WARMUP_STEPS = 2
 # A cold process (below) that knows its warm step (`FirstWindow.warm_step`) plans this many: it tells a step still
 # warming up by 20% from a steady one by that step, and runs on past those (`cold_window_runs_on`), but not a step a
 # few percent slow. MiniLM on e-mails, 5 seeds: steps 2-5 fell 3-8% (0.52, 0.50, 0.49, 0.48 s), and with one warm-up
@@ -267,6 +272,7 @@ class FirstWindow:
         cold: the process did not time its profile (a cached, given or restored one): it may still be warming up
             after `WARMUP_STEPS`, so the window runs on while it is (`runs_on`).
         warm: the process timed a measured profile: it warms up for `PROFILED_WARMUP_STEPS` (`warmup_steps`).
+        analytic: the process timed an analytic profile: it warms up for `ANALYTIC_WARMUP_STEPS`.
         warm_step: a warm process's full step, as a fit with this profile measured it (`TimingProfile.t_step`; 0:
             not known).
         ran_on: steps the window ran on past its length.
@@ -286,6 +292,7 @@ class FirstWindow:
 
     cold: bool = False
     warm: bool = False
+    analytic: bool = False
     warm_step: float = 0.0
     ran_on: int = 0
     updates: list[float] = field(default_factory=list)
@@ -295,11 +302,23 @@ class FirstWindow:
     @property
     def warmup_steps(self) -> int:
         """The process's first steps that are charged to the fit but are no samples of its steady step time: one in a
-        process that timed a measured profile, KNOWN_WARMUP_STEPS in a cold one that knows its `warm_step` (it leaves
-        out the steps still warming up by it, `take_samples`), else WARMUP_STEPS."""
+        process that timed a measured profile, ANALYTIC_WARMUP_STEPS in one that timed an analytic profile,
+        KNOWN_WARMUP_STEPS in a cold one that knows its `warm_step` (it leaves out the steps still warming up by it,
+        `take_samples`), else WARMUP_STEPS.
+
+        Example:
+            >>> [window.warmup_steps for window in (FirstWindow(warm=True), FirstWindow(analytic=True), FirstWindow())]
+            [1, 2, 4]
+        """
         if self.warm:
             return PROFILED_WARMUP_STEPS
+        if self.analytic:
+            return ANALYTIC_WARMUP_STEPS
         return KNOWN_WARMUP_STEPS if self.cold and self.warm_step > 0 else WARMUP_STEPS
+
+    def profiled(self, timed: bool, method: str) -> None:
+        """Note how the fit's profile came: `timed` by this process with the time model `method`, or not (cold)."""
+        self.cold, self.warm, self.analytic = not timed, timed and method == "measured", timed and method == "flops"
 
     def run_on_limit(self, first_steps: int) -> int:
         """Steps a first window of `first_steps` may run on: COLD_STEPS and the warm-up steps it did not plan in a

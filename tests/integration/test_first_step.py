@@ -317,7 +317,8 @@ def test_first_steps_that_skip_their_backward_pass_still_leave_a_probe_window_an
 
 def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window() -> None:
     """The first 6 steps return no loss, so profiling and the first window begin at step 6, after the scheduled
-    first window (auto: 6 steps, to time 2 steady full steps after the process's warm-up): the window opened there
+    first window (auto: 6 steps, to time 2 steady full steps after the process's warm-up; 4 once the analytic profile
+    that "auto" takes for this fit is timed, which warms the process up for all but 2 steps): the window opened there
     is that long too (before, a later window's length, all of it warm-up), and its selection waits for the epoch."""
 
     class SkipsSix(Counted):
@@ -329,10 +330,11 @@ def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window
     trainer = tiny_trainer(callbacks=[callback], max_steps=64, max_epochs=8)  # epochs of 8 steps, selections every 16
     trainer.fit(SkipsSix(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.schedule.first_steps == windows.first_window() == 6
+    assert fit is not None and fit.warmup.analytic
+    assert fit.schedule.first_steps == windows.ANALYTIC_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 4
     assert [r.step for r in callback.history][:1] == [16]
-    # every step from 6 timed; 6 of them probe steps (a 4-step late window: 4), the share leaving no other window
-    assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 6
+    # every step from 6 timed; 4 of them probe steps (a later window's length: 1), the share leaving no other window
+    assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 4 and fit.schedule.probe_steps == 1
 
 
 def test_a_failing_call_after_the_fit_does_not_give_back_the_fits_flags() -> None:
@@ -494,8 +496,9 @@ def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(
 ) -> None:
     """The first step's seconds are those of its own training step and of the skipped one before it (2 s of the
     module's clock), not the 100 s of a validation run between them, as no other step's are. Before: 102 s. (Only
-    the first step warms up here, so that the warm-up seconds are exactly its own.)"""
-    monkeypatch.setattr(windows, "WARMUP_STEPS", 1)
+    the first step warms up here, so that the warm-up seconds are exactly its own: this short fit's profile is the
+    analytic one.)"""
+    monkeypatch.setattr(windows, "ANALYTIC_WARMUP_STEPS", 1)
     module = SlowValidation()
     callback = elastic(False, clock=module.clock, interval=4, interval_unit="step")
     trainer = tiny_trainer(callbacks=[callback], max_steps=4, limit_val_batches=1, **when)
@@ -553,3 +556,17 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     assert again.warmup.warm_step > 0  # the steady step the first fit remembered in the cache
     assert again.schedule.first_steps == 4 and cached.history[0].step == 4 + again.warmup.ran_on
     assert again.warmup.full_steps >= windows.KNOWN_WARMUP_STEPS  # and any steps left out of `T`
+
+
+def test_a_process_that_timed_its_analytic_profile_warms_up_for_two_steps(tmp_path: Path) -> None:
+    """The analytic profile's plain timings (two forward passes and a full step) warm the process up less than the
+    measured profile's passes: its first window (auto, 6 steps planned) warms up for 2 steps, times `T` on the next 2
+    and ends after 4, charging the 2 warm-up steps as such; the selection comes at once and no step runs on."""
+    timed = elastic(tmp_path, probe_steps="auto", time_model="flops", interval=2)  # selections every 16 steps
+    tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
+    fit = timed._fit
+    assert fit is not None and fit.profile.method == "flops"
+    assert fit.warmup.analytic and not fit.warmup.warm and not fit.warmup.cold
+    assert fit.schedule.first_window_end == windows.ANALYTIC_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 4
+    assert timed.history[0].step == 4 and fit.warmup.ran_on == 0
+    assert fit.warmup.full_steps == windows.ANALYTIC_WARMUP_STEPS
