@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from lightning_elastic.schedule import IntervalUnit, Schedule
+
+if TYPE_CHECKING:  # the profiling package imports this module
+    from lightning_elastic.profiling.profile import TimingMethod
 
 # The first optimizer steps a process runs are slower than the rest (first touch of memory, the allocator's and the
 # kernels' caches): charged to the fit, never samples of step time. Measured in fresh processes, every tensor trained:
@@ -271,8 +274,9 @@ class FirstWindow:
     Attributes:
         cold: the process did not time its profile (a cached, given or restored one): it may still be warming up
             after `WARMUP_STEPS`, so the window runs on while it is (`runs_on`).
-        warm: the process timed a measured profile: it warms up for `PROFILED_WARMUP_STEPS` (`warmup_steps`).
-        analytic: the process timed an analytic profile: it warms up for `ANALYTIC_WARMUP_STEPS`.
+        timed: the time model of the profile this process timed (None: it timed none): the passes of a measured
+            one warm it up for all but `PROFILED_WARMUP_STEPS`, those of an analytic one for all but
+            `ANALYTIC_WARMUP_STEPS` (`warmup_steps`).
         warm_step: a warm process's full step, as a fit with this profile measured it (`TimingProfile.t_step`; 0:
             not known).
         ran_on: steps the window ran on past its length.
@@ -291,8 +295,7 @@ class FirstWindow:
     """
 
     cold: bool = False
-    warm: bool = False
-    analytic: bool = False
+    timed: TimingMethod | None = None
     warm_step: float = 0.0
     ran_on: int = 0
     updates: list[float] = field(default_factory=list)
@@ -307,18 +310,16 @@ class FirstWindow:
         `take_samples`), else WARMUP_STEPS.
 
         Example:
-            >>> [window.warmup_steps for window in (FirstWindow(warm=True), FirstWindow(analytic=True), FirstWindow())]
+            >>> [FirstWindow(timed=timed).warmup_steps for timed in ("measured", "flops", None)]
             [1, 2, 4]
         """
-        if self.warm:
-            return PROFILED_WARMUP_STEPS
-        if self.analytic:
-            return ANALYTIC_WARMUP_STEPS
+        if self.timed is not None:
+            return PROFILED_WARMUP_STEPS if self.timed == "measured" else ANALYTIC_WARMUP_STEPS
         return KNOWN_WARMUP_STEPS if self.cold and self.warm_step > 0 else WARMUP_STEPS
 
-    def profiled(self, timed: bool, method: str) -> None:
+    def profiled(self, timed: bool, method: TimingMethod) -> None:
         """Note how the fit's profile came: `timed` by this process with the time model `method`, or not (cold)."""
-        self.cold, self.warm, self.analytic = not timed, timed and method == "measured", timed and method == "flops"
+        self.cold, self.timed = not timed, method if timed else None
 
     def run_on_limit(self, first_steps: int) -> int:
         """Steps a first window of `first_steps` may run on: COLD_STEPS and the warm-up steps it did not plan in a
@@ -328,7 +329,7 @@ class FirstWindow:
         Example:
             >>> FirstWindow(cold=True).run_on_limit(6), FirstWindow(cold=True, warm_step=0.6).run_on_limit(4)
             (3, 5)
-            >>> FirstWindow(cold=True).run_on_limit(4), FirstWindow(warm=True).run_on_limit(3)
+            >>> FirstWindow(cold=True).run_on_limit(4), FirstWindow(timed="measured").run_on_limit(3)
             (0, 0)
         """
         return self._most_run_on if self.cold and first_steps > self.warmup_steps else 0

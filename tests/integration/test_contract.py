@@ -397,7 +397,7 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     said = f"{windows.first_window()} probe steps before the first selection (up to {windows.COLD_STEPS} more while"
     assert (said in caplog.text) is not profiled  # the start message says what the window may cost
     if profiled:
-        assert fit.warmup.warm and fit.warmup.ran_on == 0
+        assert fit.warmup.timed == "measured" and fit.warmup.ran_on == 0
         assert callback.history[0].step == windows.PROFILED_WARMUP_STEPS + windows.FIRST_STEADY_STEPS
         assert callback.history[0].full_seconds == pytest.approx(1.45 * PROFILE.t_full)
         return

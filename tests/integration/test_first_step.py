@@ -330,7 +330,7 @@ def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window
     trainer = tiny_trainer(callbacks=[callback], max_steps=64, max_epochs=8)  # epochs of 8 steps, selections every 16
     trainer.fit(SkipsSix(), tiny_data())
     fit = callback._fit
-    assert fit is not None and fit.warmup.analytic
+    assert fit is not None and fit.warmup.timed == "flops"
     assert fit.schedule.first_steps == windows.ANALYTIC_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 4
     assert [r.step for r in callback.history][:1] == [16]
     # every step from 6 timed; 4 of them probe steps (a later window's length: 1), the share leaving no other window
@@ -545,14 +545,14 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     timed = elastic(tmp_path, probe_steps="auto", time_model="measured", interval=2)  # selections every 16 steps
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit
-    assert fit is not None and fit.warmup.warm and not fit.warmup.cold
+    assert fit is not None and fit.warmup.timed == "measured" and not fit.warmup.cold
     assert fit.schedule.first_window_end == windows.PROFILED_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 3
     assert timed.history[0].step == 3 and fit.plan.full_samples >= 1  # of 2: a 2 ms step paused by the OS is left out
     assert fit.warmup.full_steps == 1  # the first step alone is charged as warm-up
     cached = elastic(tmp_path, probe_steps="auto", time_model="measured", interval=2)
     tiny_trainer(callbacks=[cached], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     again = cached._fit
-    assert again is not None and again.warmup.cold and not again.warmup.warm
+    assert again is not None and again.warmup.cold and again.warmup.timed is None
     assert again.warmup.warm_step > 0  # the steady step the first fit remembered in the cache
     assert again.schedule.first_steps == 4 and cached.history[0].step == 4 + again.warmup.ran_on
     assert again.warmup.full_steps >= windows.KNOWN_WARMUP_STEPS  # and any steps left out of `T`
@@ -566,7 +566,7 @@ def test_a_process_that_timed_its_analytic_profile_warms_up_for_two_steps(tmp_pa
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit
     assert fit is not None and fit.profile.method == "flops"
-    assert fit.warmup.analytic and not fit.warmup.warm and not fit.warmup.cold
+    assert fit.warmup.timed == "flops" and not fit.warmup.cold
     assert fit.schedule.first_window_end == windows.ANALYTIC_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 4
     assert timed.history[0].step == 4 and fit.warmup.ran_on == 0
     assert fit.warmup.full_steps == windows.ANALYTIC_WARMUP_STEPS

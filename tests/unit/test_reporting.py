@@ -148,7 +148,7 @@ def test_start_message_says_when_the_callbacks_own_time_is_planned_over_its_shar
     ("first", "window", "more"),
     [
         (windows.first_window(), FirstWindow(cold=True), windows.COLD_STEPS),
-        (windows.first_window(), FirstWindow(warm=True), 0),
+        (windows.first_window(), FirstWindow(timed="measured"), 0),
         (windows.WARMUP_STEPS, FirstWindow(cold=True), 0),
         (4, FirstWindow(cold=True, warm_step=0.5), windows.COLD_STEPS + windows.WARMUP_STEPS - 2),
     ],
