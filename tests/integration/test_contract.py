@@ -409,6 +409,35 @@ def test_a_process_that_did_not_profile_runs_its_first_window_on_until_it_is_war
     assert 96 * PROFILE.t_full / summary["spent_seconds"] == pytest.approx(1.5, rel=0.03), summary
 
 
+@pytest.mark.parametrize("spread", [windows.WARM_SPREAD, math.inf], ids=("shipped", "no spread rule"))
+def test_a_warm_window_runs_on_past_a_slow_sample_and_times_the_steady_step(spread: float) -> None:
+    """A process that timed its profile can still have a slow step among its first window's samples (MiniLM: 2-3
+    steps about 40% slow somewhere in its first 6). Its window runs on while fewer than 2 samples lie within
+    `WARM_SPREAD` of the fastest; `T` is the steady ones, the slow sample joins the warm-up steps (which full
+    fine-tuning pays too) and the fit lands on its speedup. Without the rule `T` takes the slow sample in, 22% high."""
+    device = VirtualDevice(1.0, slow=(windows.PROFILED_WARMUP_STEPS + 1, 1.45))  # the warm-up step and the 1st sample
+    callback = ElasticTensorSelection(speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock)
+    original = callback._begin
+    callback._begin = lambda *args: original(*args[:-1], True)  # type: ignore[method-assign]  # as if profiled here
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(windows, "WARM_SPREAD", spread)
+        tiny_trainer(callbacks=[device, callback], max_steps=96, max_epochs=-1).fit(TinyNet(), tiny_data())
+    fit = callback._fit
+    assert fit is not None and fit.warmup.timed == "measured" and not fit.warmup.cold
+    planned = windows.PROFILED_WARMUP_STEPS + windows.FIRST_STEADY_STEPS
+    if math.isinf(spread):
+        assert fit.warmup.ran_on == 0 and callback.history[0].step == planned
+        assert callback.history[0].full_seconds == pytest.approx(1.225 * PROFILE.t_full)
+        return
+    assert fit.warmup.ran_on == 1 and callback.history[0].step == planned + 1
+    assert callback.history[0].full_seconds == pytest.approx(PROFILE.t_full)
+    assert fit.warmup.full_steps == windows.PROFILED_WARMUP_STEPS + 1  # the slow sample is a warm-up step
+    assert fit.plan.warmup == pytest.approx(2 * 0.45 * PROFILE.t_full)  # what the two slow steps took beyond `T`
+    summary = callback.summary()
+    full = 96 * PROFILE.t_full + fit.plan.warmup  # full fine-tuning pays the same slow first steps
+    assert full / summary["spent_seconds"] == pytest.approx(1.5, rel=0.02), summary
+
+
 def test_compiling_each_new_trainable_set_is_charged_but_never_taken_for_step_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -536,12 +537,16 @@ def test_plain_sgd_profiles_before_the_first_step_so_that_no_gradients_are_held_
         assert held[0] == sum(p.nbytes for p in module.parameters())  # every tensor's gradient, for the update
 
 
-def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_only(tmp_path: Path) -> None:
+def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The measured profile's passes warm the process up: its first window (auto, 6 steps planned) warms up for its
     first step only and times `T` on the next 2, so it ends after 3 steps; the selection comes at once. A later fit
     that reads the profile from the cache did not time it, but knows the steady step the first fit remembered in it:
     its window warms up for 2 steps and ends after 4, and runs on while its steps are not yet within 1.2x of that
-    step."""
+    step. (Real 2 ms steps lie further apart than `WARM_SPREAD`: a warm window running on past a slow sample is
+    tested on a virtual device, `test_contract`.)"""
+    monkeypatch.setattr(windows, "WARM_SPREAD", math.inf)
     timed = elastic(tmp_path, probe_steps="auto", time_model="measured", interval=2)  # selections every 16 steps
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit
@@ -558,10 +563,14 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     assert again.warmup.full_steps >= windows.KNOWN_WARMUP_STEPS  # and any steps left out of `T`
 
 
-def test_a_process_that_timed_its_analytic_profile_warms_up_for_two_steps(tmp_path: Path) -> None:
+def test_a_process_that_timed_its_analytic_profile_warms_up_for_two_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The analytic profile's plain timings (two forward passes and a full step) warm the process up less than the
     measured profile's passes: its first window (auto, 6 steps planned) warms up for 2 steps, times `T` on the next 2
-    and ends after 4, charging the 2 warm-up steps as such; the selection comes at once and no step runs on."""
+    and ends after 4, charging the 2 warm-up steps as such; the selection comes at once and no step runs on (with
+    samples within `WARM_SPREAD` of each other, which real 2 ms steps are not reliably)."""
+    monkeypatch.setattr(windows, "WARM_SPREAD", math.inf)
     timed = elastic(tmp_path, probe_steps="auto", time_model="flops", interval=2)  # selections every 16 steps
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit

@@ -148,17 +148,19 @@ def test_start_message_says_when_the_callbacks_own_time_is_planned_over_its_shar
     ("first", "window", "more"),
     [
         (windows.first_window(), FirstWindow(cold=True), windows.COLD_STEPS),
-        (windows.first_window(), FirstWindow(timed="measured"), 0),
+        (windows.first_window(), FirstWindow(timed="measured"), windows.WARM_STEPS),
+        (windows.PROFILED_WARMUP_STEPS + 1, FirstWindow(timed="measured"), 0),
         (windows.WARMUP_STEPS, FirstWindow(cold=True), 0),
         (4, FirstWindow(cold=True, warm_step=0.5), windows.COLD_STEPS + windows.WARMUP_STEPS - 2),
     ],
-    ids=("cold", "warm", "cold, warm-up steps only", "cold, its warm step known"),
+    ids=("cold", "warm", "warm, one sample", "cold, warm-up steps only", "cold, its warm step known"),
 )
 def test_start_message_says_a_cold_process_may_run_its_first_window_on(
     first: int, window: FirstWindow, more: int
 ) -> None:
-    """Only a cold process whose first window has steady steps to judge its warm-up by can run on; one that knows
-    its warm step plans a shorter window and may run on by the warm-up steps it did not plan as well."""
+    """A cold process whose first window has steady steps to judge its warm-up by can run on; one that knows its
+    warm step plans a shorter window and may run on by the warm-up steps it did not plan as well. A warm process runs
+    on by WARM_STEPS at most, and only when it has two samples to compare."""
     run_on = window.run_on_limit(first)
     assert run_on == more
     message = start_message(PROFILE, 2.0, 240, Schedule(20, "step", 4, first_probe_steps=first), run_on)
