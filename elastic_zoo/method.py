@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from elastic_zoo.baselines import LinearFreeze as _LinearFreezeCallback
 from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
-from lightning_elastic import TimingProfile, profile, windows
+from lightning_elastic import TimingProfile, profile, warmup
 from lightning_elastic.arguments import speedup_problem
 from lightning_elastic.profiling.profile import read_profile
 from lightning_elastic.time_model import StepTimeModel
@@ -213,7 +213,7 @@ def batch_loss(module: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     return F.cross_entropy(module(inputs), labels)
 
 
-# `offline_step` times this many training steps after the process's first `windows.WARMUP_STEPS`, which are slower.
+# `offline_step` times this many training steps after the process's first `warmup.WARMUP_STEPS`, which are slower.
 OFFLINE_STEPS = 3
 
 
@@ -221,14 +221,14 @@ def offline_step(
     module: nn.Module, batch: tuple[Tensor, Tensor], clock: Callable[[], float] = time.perf_counter
 ) -> tuple[float, float]:
     """Seconds of a steady full training step (forward, backward, the module's optimizer update, clearing the
-    gradients) and of its update alone: the median of `OFFLINE_STEPS` steps after `windows.WARMUP_STEPS`, each timed
+    gradients) and of its update alone: the median of `OFFLINE_STEPS` steps after `warmup.WARMUP_STEPS`, each timed
     on the device (`StepTimer`). They run on a copy of `module` with its own optimizer (`configure_optimizers`), under a
     forked random state: the module, its data and every method's random draws are as they were.
 
     Raises:
         ValueError: when `configure_optimizers` returns anything but one optimizer.
     """
-    device, warmup = batch[0].device, windows.WARMUP_STEPS
+    device, warmup_steps = batch[0].device, warmup.WARMUP_STEPS
     twin = copy.deepcopy(module)
     optimizer = twin.configure_optimizers()  # type: ignore[operator]
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -238,7 +238,7 @@ def offline_step(
         )
     step, update = StepTimer(device, clock), StepTimer(device, clock)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for _ in range(warmup + OFFLINE_STEPS):
+        for _ in range(warmup_steps + OFFLINE_STEPS):
             step.start()
             batch_loss(twin, batch).backward()
             update.start()
@@ -246,4 +246,4 @@ def offline_step(
             update.stop()
             optimizer.zero_grad()
             step.stop()
-    return statistics.median(step.pop()[warmup:]), statistics.median(update.pop()[warmup:])
+    return statistics.median(step.pop()[warmup_steps:]), statistics.median(update.pop()[warmup_steps:])

@@ -227,7 +227,7 @@ class ElasticTensorSelection(Callback):
 
         Its own seconds are charged with `profile_seconds` after a checkpoint's account is restored, which would
         otherwise drop them: a resumed fit pays for its own start. A process that did not time the profile (`timed`
-        False: a cached, given or restored one) is cold, and its first window may run on (`windows.FirstWindow`).
+        False: a cached, given or restored one) is cold, and its first window may run on (`warmup.FirstWindow`).
         """
         settings = self._settings
         started = settings.clock()

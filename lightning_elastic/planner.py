@@ -265,7 +265,7 @@ class WallClockPlan:
             with what was over- or under-spent before carried forward).
         full_step: seconds of a full training step `T` (an estimate until probe steps are measured).
         warmup: seconds the same fit without the callback spends on its process's warm-up beyond `T` a step (its
-            first steps are slower), as this process's warm-up full steps measured it (`windows.FirstWindow.excess`).
+            first steps are slower), as this process's warm-up full steps measured it (`warmup.FirstWindow.excess`).
 
     Example:
         >>> plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=1.0)

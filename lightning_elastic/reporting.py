@@ -61,7 +61,7 @@ def start_message(
     own_share: float | None = None,
 ) -> str:
     r"""What the fit starts with: the profile's figures, the target and the schedule, the steps its first window
-    may `run_on` while the process warms up (`windows.FirstWindow.run_on_limit`), and elastic's own time as planned
+    may `run_on` while the process warms up (`warmup.FirstWindow.run_on_limit`), and elastic's own time as planned
     (`planner.Reach.own_share`; None: not known), said when it is over `windows.OWN_SHARE` as the summary rounds it.
 
     Example:

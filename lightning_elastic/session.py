@@ -41,7 +41,7 @@ from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.terms import mean_over_ranks, off_plan
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepClock
-from lightning_elastic.windows import FirstWindow
+from lightning_elastic.warmup import FirstWindow
 
 TOTALS = (
     "profile_seconds",

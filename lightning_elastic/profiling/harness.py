@@ -172,7 +172,7 @@ def measure_profile(
         )
     timed = phases.timed
     if trainer.world_size > 1:  # the same profile on every rank, timed where every rank timed it: the first window's
-        # length follows from it (`windows.FirstWindow.warmup_steps`), and every rank must end that window alike
+        # length follows from it (`warmup.FirstWindow.warmup_steps`), and every rank must end that window alike
         profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
         timed = not any_rank(trainer.strategy, not timed, pl_module.device)
     return Measured(profiled, timed)

@@ -54,7 +54,7 @@ class TimingProfile:
         profile_seconds: seconds that measuring this profile took.
         t_step: seconds of a steady full training step (forward, backward and the optimizer's update of every
             tensor) that a fit with this profile measured in the first probe window that timed one (`remember_step`);
-            0 until one did. A later process's first window knows by it when it is warm (`windows.cold_window_runs_on`).
+            0 until one did. A later process's first window knows by it when it is warm (`warmup.cold_window_runs_on`).
 
     Example:
         >>> p = TimingProfile(names=("a", "b"), t_dw=(2.0, 1.0), t_dy=(0.0, 3.0), t_fw=4.0, t_full=10.0,

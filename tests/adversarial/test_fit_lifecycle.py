@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_elastic import ElasticTensorSelection, reporting, windows
+from lightning_elastic import ElasticTensorSelection, reporting, warmup
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling.runner import Runner
@@ -219,7 +219,7 @@ def test_a_resumed_fit_goes_on_as_the_uninterrupted_one_with_the_correction_it_l
         assert ours.decision.target_seconds == pytest.approx(theirs.decision.target_seconds, rel=1e-9), k
         assert ours.decision.predicted_seconds == pytest.approx(theirs.decision.predicted_seconds, rel=1e-9), k
         assert ours.full_seconds == pytest.approx(theirs.full_seconds, rel=1e-9), k
-        skipped = windows.WARMUP_STEPS if k == in_force else 0
+        skipped = warmup.WARMUP_STEPS if k == in_force else 0
         assert len(ours.measured_seconds) == len(theirs.measured_seconds) - skipped, k
         assert ours.measured_step == pytest.approx(theirs.measured_step, rel=1e-9), k  # steps alike, fewer of them
     assert resumed._fit is not None and uninterrupted._fit is not None
@@ -230,7 +230,7 @@ def test_a_resumed_fit_goes_on_as_the_uninterrupted_one_with_the_correction_it_l
         assert ours_summary[figure] == pytest.approx(theirs_summary[figure], rel=1e-9), figure
     selected = reference[in_force].measured_seconds[0]  # each step of the selection in force took that
     assert ours_summary["warmup_seconds"] == pytest.approx(
-        theirs_summary["warmup_seconds"] + windows.WARMUP_STEPS * selected, rel=1e-9
+        theirs_summary["warmup_seconds"] + warmup.WARMUP_STEPS * selected, rel=1e-9
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_elastic import ElasticTensorSelection, resume, windows
+from lightning_elastic import ElasticTensorSelection, resume, warmup
 from lightning_elastic.distributed import any_rank
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.schedule import Schedule
@@ -68,7 +68,7 @@ class NoCollective:
 @pytest.mark.parametrize("other", [0.0, 1.0])
 def test_a_warm_process_votes_and_runs_on_only_with_a_warming_rank(other: float) -> None:
     trainer: Any = SimpleNamespace(strategy=OtherRanks(other))
-    warm = cold_session([1.45, 1.45])  # slow steps, but it timed the profile: it does not vote to run on
+    warm = cold_session([1.45, 1.45])  # slow steps, but alike and it timed the profile: it does not vote to run on
     warm.warmup.cold = False
     assert warm.runs_on(trainer, 6) is bool(other)
 
@@ -90,7 +90,7 @@ def test_the_window_that_ran_on_gives_its_steady_steps_and_its_scheduled_end() -
     assert not fit.runs_on(trainer, 8)  # two steady steps within the ceiling: warm
     assert fit.close_probe() == 6 and fit.warmup.ran_on == 2
     assert fit.plan.full_step == pytest.approx(1.05 * profile_step) and fit.plan.full_samples == 2
-    assert windows.COLD_SAMPLES == 2
+    assert warmup.COLD_SAMPLES == 2
 
 
 def test_a_first_window_whose_selection_waits_for_an_epoch_start_ends_there() -> None:

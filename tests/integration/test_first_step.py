@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
-from lightning_elastic import ElasticTensorSelection, windows
+from lightning_elastic import ElasticTensorSelection, warmup, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling import runner
 from lightning_elastic.profiling.harness import FirstStep
@@ -310,9 +310,9 @@ def test_first_steps_that_skip_their_backward_pass_still_leave_a_probe_window_an
     assert fit is not None and fit.plan.steps_done == trainer.global_step == 16
     # the first window (steps 0-1) was skipped: one opens at step 2, and its selection comes as epoch 1 starts
     assert [r.step for r in callback.history] == [8]
-    # every step from step 2 was timed; the window from step 2 is the process's warm-up (`windows.WARMUP_STEPS`),
+    # every step from step 2 was timed; the window from step 2 is the process's warm-up (`warmup.WARMUP_STEPS`),
     # so `T`'s samples are the window before step 8 (one of its two steps, if the other took twice as long)
-    assert fit.steps_timed == 14 and windows.WARMUP_STEPS >= 2
+    assert fit.steps_timed == 14 and warmup.WARMUP_STEPS >= 2
     assert 1 <= fit.plan.full_samples <= 2
 
 
@@ -332,7 +332,7 @@ def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window
     trainer.fit(SkipsSix(), tiny_data())
     fit = callback._fit
     assert fit is not None and fit.warmup.timed == "flops"
-    assert fit.schedule.first_steps == windows.ANALYTIC_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 4
+    assert fit.schedule.first_steps == warmup.ANALYTIC_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS == 4
     assert [r.step for r in callback.history][:1] == [16]
     # every step from 6 timed; 4 of them probe steps (a later window's length: 1), the share leaving no other window
     assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 4 and fit.schedule.probe_steps == 1
@@ -499,7 +499,7 @@ def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(
     module's clock), not the 100 s of a validation run between them, as no other step's are. Before: 102 s. (Only
     the first step warms up here, so that the warm-up seconds are exactly its own: this short fit's profile is the
     analytic one.)"""
-    monkeypatch.setattr(windows, "ANALYTIC_WARMUP_STEPS", 1)
+    monkeypatch.setattr(warmup, "ANALYTIC_WARMUP_STEPS", 1)
     module = SlowValidation()
     callback = elastic(False, clock=module.clock, interval=4, interval_unit="step")
     trainer = tiny_trainer(callbacks=[callback], max_steps=4, limit_val_batches=1, **when)
@@ -546,12 +546,12 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     its window warms up for 2 steps and ends after 4, and runs on while its steps are not yet within 1.2x of that
     step. (Real 2 ms steps lie further apart than `WARM_SPREAD`: a warm window running on past a slow sample is
     tested on a virtual device, `test_contract`.)"""
-    monkeypatch.setattr(windows, "WARM_SPREAD", math.inf)
+    monkeypatch.setattr(warmup, "WARM_SPREAD", math.inf)
     timed = elastic(tmp_path, probe_steps="auto", time_model="measured", interval=2)  # selections every 16 steps
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit
     assert fit is not None and fit.warmup.timed == "measured" and not fit.warmup.cold
-    assert fit.schedule.first_window_end == windows.PROFILED_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 3
+    assert fit.schedule.first_window_end == warmup.PROFILED_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS == 3
     assert timed.history[0].step == 3 and fit.plan.full_samples >= 1  # of 2: a 2 ms step paused by the OS is left out
     assert fit.warmup.full_steps == 1  # the first step alone is charged as warm-up
     cached = elastic(tmp_path, probe_steps="auto", time_model="measured", interval=2)
@@ -560,7 +560,7 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     assert again is not None and again.warmup.cold and again.warmup.timed is None
     assert again.warmup.warm_step > 0  # the steady step the first fit remembered in the cache
     assert again.schedule.first_steps == 4 and cached.history[0].step == 4 + again.warmup.ran_on
-    assert again.warmup.full_steps >= windows.KNOWN_WARMUP_STEPS  # and any steps left out of `T`
+    assert again.warmup.full_steps >= warmup.KNOWN_WARMUP_STEPS  # and any steps left out of `T`
 
 
 def test_a_process_that_timed_its_analytic_profile_warms_up_for_two_steps(
@@ -570,12 +570,12 @@ def test_a_process_that_timed_its_analytic_profile_warms_up_for_two_steps(
     measured profile's passes: its first window (auto, 6 steps planned) warms up for 2 steps, times `T` on the next 2
     and ends after 4, charging the 2 warm-up steps as such; the selection comes at once and no step runs on (with
     samples within `WARM_SPREAD` of each other, which real 2 ms steps are not reliably)."""
-    monkeypatch.setattr(windows, "WARM_SPREAD", math.inf)
+    monkeypatch.setattr(warmup, "WARM_SPREAD", math.inf)
     timed = elastic(tmp_path, probe_steps="auto", time_model="flops", interval=2)  # selections every 16 steps
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit
     assert fit is not None and fit.profile.method == "flops"
     assert fit.warmup.timed == "flops" and not fit.warmup.cold
-    assert fit.schedule.first_window_end == windows.ANALYTIC_WARMUP_STEPS + windows.FIRST_STEADY_STEPS == 4
+    assert fit.schedule.first_window_end == warmup.ANALYTIC_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS == 4
     assert timed.history[0].step == 4 and fit.warmup.ran_on == 0
-    assert fit.warmup.full_steps == windows.ANALYTIC_WARMUP_STEPS
+    assert fit.warmup.full_steps == warmup.ANALYTIC_WARMUP_STEPS

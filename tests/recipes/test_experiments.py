@@ -84,7 +84,7 @@ def test_experiment_runs_with_fast_dev_run(name: str, tmp_path: Path) -> None:
     assert summary["selections"] == 1 and 0 < summary["selected_fraction"] <= 1
     assert set(callback.summary()) <= set(summary) and summary["fit_speedup"] > 0
     # The per-step speedup needs a measured full step; the one probe step is a warm-up step of the process
-    # (`windows.WARMUP_STEPS`): counted as a probe step, no sample of the full step, so it is not reported.
+    # (`warmup.WARMUP_STEPS`): counted as a probe step, no sample of the full step, so it is not reported.
     assert summary["probe_steps"] == 1 and math.isnan(summary["measured_speedup"])
     # The summary's accuracy is the model's on the test batches fast_dev_run uses.
     parts.module.eval()

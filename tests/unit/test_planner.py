@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from lightning_elastic import planner, windows
+from lightning_elastic import planner, warmup
 from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.records import Decision, Mask
@@ -17,7 +17,6 @@ from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.windows import (
     FIRST_WINDOW_SHARE,
     OWN_SHARE,
-    WARMUP_STEPS,
     ProbePlan,
     ScheduleRefusal,
     after_profile,
@@ -99,10 +98,10 @@ def test_auto_probe_plan_keeps_the_own_share(
         windows = math.ceil(selections / plan.every)
         probes = plan.first + (windows - 1) * plan.steps
         if plan.first > plan.steps:  # the first window measures steady steps
-            assert plan.first == WARMUP_STEPS + 2 and plan.first * (speedup - 1) / steps <= FIRST_WINDOW_SHARE
+            assert plan.first == warmup.WARMUP_STEPS + 2 and plan.first * (speedup - 1) / steps <= FIRST_WINDOW_SHARE
         else:  # it does not: a second window does
-            assert (plan.first <= WARMUP_STEPS and windows == min(2, selections)) or windows > 2
-        assert probes * speedup / steps <= OWN_SHARE or windows <= (1 if plan.first > WARMUP_STEPS else 2)
+            assert (plan.first <= warmup.WARMUP_STEPS and windows == min(2, selections)) or windows > 2
+        assert probes * speedup / steps <= OWN_SHARE or windows <= (1 if plan.first > warmup.WARMUP_STEPS else 2)
         if windows < selections:  # one window more would not fit
             assert (probes + plan.steps) * speedup / steps > OWN_SHARE
 
@@ -134,7 +133,7 @@ def test_the_first_profile_comes_out_of_the_later_windows_and_the_first_window_k
     assert after_profile(long, 2.0, spent=7.0).probe_steps_between(0, 1000) == 18
     # a process that timed its measured profile warms up for its first step only: a first window of 3, and the 15
     # steps the profile leaves after it give 3 windows of 4 (a fourth would need 16)
-    one = windows.PROFILED_WARMUP_STEPS
+    one = warmup.PROFILED_WARMUP_STEPS
     warm = after_profile(long, 2.0, spent=7.0, warmup_steps=one)
     assert (warm.first_window_end, warm.probe_steps_between(0, 1000)) == (3, 15)
     fashion = after_profile(planned, 2.0, spent=6.0, warmup_steps=one)
@@ -143,7 +142,7 @@ def test_the_first_profile_comes_out_of_the_later_windows_and_the_first_window_k
     # cold process that knows its warm step warms up for 2 steps: 4 probe steps, where 6 took 8% of the fit
     user = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(30,), total_steps=150)
     assert isinstance(user, Schedule) and user.probe_steps_between(0, 150) == 6
-    cached = after_profile(user, 2.0, spent=0.5, warmup_steps=windows.KNOWN_WARMUP_STEPS)
+    cached = after_profile(user, 2.0, spent=0.5, warmup_steps=warmup.KNOWN_WARMUP_STEPS)
     assert (cached.first_window_end, cached.probe_steps_between(0, 150)) == (4, 4)
     # a first window as long as the others (no room for 6 steps before a selection every 5): it keeps its length
     short = plan_schedule(1, "epoch", "auto", 1.5, steps_per_epoch=(5,), total_steps=100)
@@ -267,7 +266,7 @@ def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
     assert asked == Schedule(2, "epoch", 5, (10,), probe_every=1, total_steps=math.inf)
     unknown = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=math.inf, total_steps=None)
     assert isinstance(unknown, Schedule) and (unknown.probe_steps, unknown.probe_every) == (4, 1)
-    assert unknown.first_window_end == WARMUP_STEPS + 2
+    assert unknown.first_window_end == warmup.WARMUP_STEPS + 2
     # 30 steps an epoch, 150 steps: the first window measures 2 steady steps (6 of 150 at 2x: 4% of the fit), the
     # selection closing it comes at once, not at the next epoch; the 3.75 probe steps allowed leave no other window
     user = plan_schedule(1, "epoch", "auto", 2.0, steps_per_epoch=(30,), total_steps=150)

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from lightning_elastic import reporting, windows
+from lightning_elastic import reporting, warmup
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
@@ -23,7 +23,7 @@ from lightning_elastic.reporting import (
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.summary import FitSummary, fit_summary
 from lightning_elastic.time_model import StepTimeModel
-from lightning_elastic.windows import FirstWindow
+from lightning_elastic.warmup import FirstWindow
 
 NAMES = ("stem.weight", "block.weight", "head.weight")
 NUMEL = (100, 300, 600)
@@ -147,11 +147,11 @@ def test_start_message_says_when_the_callbacks_own_time_is_planned_over_its_shar
 @pytest.mark.parametrize(
     ("first", "window", "more"),
     [
-        (windows.first_window(), FirstWindow(cold=True), windows.COLD_STEPS),
-        (windows.first_window(), FirstWindow(timed="measured"), windows.WARM_STEPS),
-        (windows.PROFILED_WARMUP_STEPS + 1, FirstWindow(timed="measured"), 0),
-        (windows.WARMUP_STEPS, FirstWindow(cold=True), 0),
-        (4, FirstWindow(cold=True, warm_step=0.5), windows.COLD_STEPS + windows.WARMUP_STEPS - 2),
+        (warmup.first_window(), FirstWindow(cold=True), warmup.COLD_STEPS),
+        (warmup.first_window(), FirstWindow(timed="measured"), warmup.WARM_STEPS),
+        (warmup.PROFILED_WARMUP_STEPS + 1, FirstWindow(timed="measured"), 0),
+        (warmup.WARMUP_STEPS, FirstWindow(cold=True), 0),
+        (4, FirstWindow(cold=True, warm_step=0.5), warmup.COLD_STEPS + warmup.WARMUP_STEPS - 2),
     ],
     ids=("cold", "warm", "warm, one sample", "cold, warm-up steps only", "cold, its warm step known"),
 )

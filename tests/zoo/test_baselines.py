@@ -29,7 +29,7 @@ from elastic_zoo.baselines import (
 from elastic_zoo.method import StaticLastK
 from elastic_zoo.models import efficientnet_lite0, tiny_cnn
 from elastic_zoo.module import ImageClassifier
-from lightning_elastic import windows
+from lightning_elastic import warmup
 from lightning_elastic.errors import SpeedupOutOfReach
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.time_model import StepTimeModel
@@ -138,7 +138,7 @@ def test_the_offline_step_is_the_median_of_steady_steps_on_a_copy_that_leaves_ev
         now += full + 10.0
     clock = iter(ticks)
     state = torch.get_rng_state()
-    assert len(steps) == windows.WARMUP_STEPS + method.OFFLINE_STEPS
+    assert len(steps) == warmup.WARMUP_STEPS + method.OFFLINE_STEPS
     assert method.offline_step(module, batch, clock=lambda: next(clock)) == pytest.approx((2.5, 0.2))
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
