@@ -53,11 +53,12 @@ FIRST_STEADY_STEPS = 2
 # next 0.41-0.55 s), and a 150-step fit's 6-step window was 8% of it.
 COLD_CEILING, COLD_SAMPLES, COLD_STEPS = 1.2, 2, 3
 # A process that timed its profile can still have a slow step among its first window's samples: MiniLM on e-mails
-# runs 2-3 steps about 40% slow somewhere in its first 6 (full runs too), and after the analytic profile the first
-# sample (step 2) took 1.16-1.20x the second in 3 of 5 first runs at 2x, whose `T` came out 1.02-1.12 of the full
-# runs' step and whose fits ran 1.86-1.97x (docs/results.md). Two steady steps of one process lie within a few percent
-# of each other (ELPV, Fashion-MNIST: 1.00-1.09). So a warm window whose samples are not within WARM_SPREAD of their
+# runs 2-6 steps about 40% slow somewhere in its first 6 (full runs too), and after the analytic profile the first
+# sample (step 2) took 1.16-1.20x the second in 3 of 5 first runs at 2x, whose `T` came out 1.01-1.12 of the full
+# runs' step and whose fits ran 1.79-2.00x. So a warm window whose samples are not within WARM_SPREAD of their
 # fastest runs on, at most WARM_STEPS steps, until COLD_SAMPLES of them are; the slower ones join the warm-up steps.
+# MiniLM's first runs then came out 2.02 +- 0.09x against 1.93 +- 0.04x before; ELPV's two samples lay within 10% on
+# every seed (no step more). Both samples inside one run of slow steps are not caught (docs/results.md, 2026-11-28).
 WARM_SPREAD, WARM_STEPS = 1.1, 2
 
 
