@@ -73,15 +73,9 @@ def first_window() -> int:
 
 
 def cold_window_runs_on(
-    samples: list[float],
-    reference: float,
-    ran_on: int,
-    room: float,
-    most: int = COLD_STEPS,
-    ceiling: float = COLD_CEILING,
+    samples: list[float], reference: float, ran_on: int, room: float, most: int = COLD_STEPS
 ) -> bool:
-    """Whether the first window of a process that did not time its profile runs on one step more (see COLD_STEPS);
-    with `ceiling` WARM_SPREAD and its fastest sample as `reference`, a window of one that did (`FirstWindow.runs_on`).
+    """Whether the first window of a process that did not time its profile runs on one step more (see COLD_STEPS).
 
     Args:
         samples: seconds of the window's steady full steps so far (after the warm-up steps).
@@ -89,7 +83,6 @@ def cold_window_runs_on(
         ran_on: steps the window already ran on past its length.
         room: optimizer steps from now until the schedule changes the trainable set anyway.
         most: steps it may run on at most (`FirstWindow.run_on_limit`).
-        ceiling: how far above `reference` a steady step may lie.
 
     Example:
         >>> cold_window_runs_on([0.86, 0.86], reference=0.59, ran_on=0, room=40)  # still warming up
@@ -99,13 +92,19 @@ def cold_window_runs_on(
         >>> cold_window_runs_on([0.86, 0.86], reference=0.59, ran_on=0, room=6)  # too near the next change
         False
     """
-    steady = len(_within_ceiling(samples, reference, ceiling))
+    return _runs_on(samples, COLD_CEILING * reference, ran_on, room, most)
+
+
+def _runs_on(samples: list[float], limit: float, ran_on: int, room: float, most: int) -> bool:
+    """Whether a first window runs on one step more: fewer than COLD_SAMPLES of its samples are steady (up to
+    `limit`), it ran on fewer than `most` steps, and the schedule leaves the first selection room to train."""
+    steady = len(_steady(samples, limit))
     return bool(samples) and steady < COLD_SAMPLES and ran_on < most and room > first_window()
 
 
-def _within_ceiling(samples: list[float], reference: float, ceiling: float) -> list[float]:
-    """The samples within `ceiling` of a warm process's full step: a warm process's steps."""
-    return [s for s in samples if s <= ceiling * reference]
+def _steady(samples: list[float], limit: float) -> list[float]:
+    """The samples up to `limit` (`FirstWindow.steady_limit`): steps of a process that warmed up."""
+    return [s for s in samples if s <= limit]
 
 
 @dataclass
@@ -217,9 +216,9 @@ class FirstWindow:
         return WARM_SPREAD * min(samples, default=math.inf)
 
     def runs_on(self, samples: list[float], pass_step: float, room: float) -> bool:
-        """Whether this process's window runs on one step more (`cold_window_runs_on`, up to `steady_limit`): a cold
-        one while it warms up, a warm one while fewer than COLD_SAMPLES of its samples lie within WARM_SPREAD of the
-        fastest (never with fewer samples than that: its fit planned no more).
+        """Whether this process's window runs on one step more (as `cold_window_runs_on`, up to `steady_limit`): a
+        cold one while it warms up, a warm one while fewer than COLD_SAMPLES of its samples lie within WARM_SPREAD of
+        the fastest (never with fewer samples than that: its fit planned no more).
 
         Example:
             >>> FirstWindow(timed="flops").runs_on([0.52, 0.44], pass_step=0.67, room=40)
@@ -229,8 +228,7 @@ class FirstWindow:
         """
         if not self.cold and len(samples) < COLD_SAMPLES:
             return False
-        limit = self.steady_limit(samples, pass_step)
-        return cold_window_runs_on(samples, limit, self.ran_on, room, self._most_run_on, ceiling=1.0)
+        return _runs_on(samples, self.steady_limit(samples, pass_step), self.ran_on, room, self._most_run_on)
 
     def take_samples(self, samples: list[float], pass_step: float) -> list[float]:
         """The window's samples of `T`, as it closes: those up to `steady_limit`, or all of them when none is (a cold
@@ -242,7 +240,7 @@ class FirstWindow:
             >>> window.take_samples([0.52, 0.44, 0.45], pass_step=0.67), window.full_steps
             ([0.44, 0.45], 1)
         """
-        kept = _within_ceiling(samples, self.steady_limit(samples, pass_step), 1.0) or list(samples)
+        kept = _steady(samples, self.steady_limit(samples, pass_step)) or list(samples)
         warming = [s for s in samples if s not in kept]
         self.full_seconds += math.fsum(warming)
         self.full_steps += len(warming)
