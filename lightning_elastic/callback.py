@@ -289,6 +289,12 @@ class ElasticTensorSelection(Callback):
             fit.shown = shown
             for name, value in shown.items():
                 pl_module.log(name, value, prog_bar=True, logger=False, batch_size=1)  # the progress bar only
+        fit.clock.forward.start()  # until the loss: the device's pace (`pace`)
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._fit is not None:
+            self._fit.clock.forward.stop()
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -21,11 +21,13 @@ Pure arithmetic with no clock of its own: the callback feeds it measured seconds
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from lightning_elastic.errors import SpeedupOutOfReach
+from lightning_elastic.pace import pace_of
 from lightning_elastic.records import Decision, Mask
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
@@ -266,6 +268,10 @@ class WallClockPlan:
         full_step: seconds of a full training step `T` (an estimate until probe steps are measured).
         warmup: seconds the same fit without the callback spends on its process's warm-up beyond `T` a step (its
             first steps are slower), as this process's warm-up full steps measured it (`warmup.FirstWindow.excess`).
+        pace: how fast the device runs now against the steps that measured `T` (`pace.pace_of`): a full step now
+            takes `T * pace`, and each step done counts `pace` full steps in full fine-tuning's time (`paced_beyond`
+            sums what the steps done counted beyond one each).
+        reference_forward: the forward pass's seconds in the steps that measured `T` (0: not measured).
 
     Example:
         >>> plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=1.0)
@@ -275,6 +281,10 @@ class WallClockPlan:
         >>> plan.observe_selected_steps(measured=0.5, predicted=0.4)  # the model predicts 20% too little ...
         >>> plan.target(step=10, horizon=100, probe_steps_ahead=0)  # ... so it is asked for 20% less
         0.3555555555555555
+        >>> plan.reference_forward = 0.3  # the probe steps' forward pass, and the latest steps' at half of it:
+        >>> plan.observe_pace([0.15] * 8)  # T was measured slow, so full fine-tuning's 90 steps ahead take less
+        >>> round(plan.pace, 3), round(plan.full_fit(), 2)  # 10 steps at 1 s, 90 at 0.556 s
+        (0.556, 60.0)
     """
 
     speedup: float
@@ -287,6 +297,9 @@ class WallClockPlan:
     full_samples: int = 0
     overhead: float = 0.0
     warmup: float = 0.0
+    pace: float = 1.0
+    paced_beyond: float = 0.0
+    reference_forward: float = 0.0
 
     def planned(self, steps: int | None = None) -> float:
         """Seconds the contract allows for the fit's first `steps` optimizer steps (default: the whole fit, else the
@@ -295,24 +308,40 @@ class WallClockPlan:
 
     def full_fit(self, steps: int | None = None) -> float:
         """Estimated seconds of full fine-tuning for the fit's first `steps` optimizer steps (default as `planned`):
-        `T` a step, plus its process's warm-up."""
+        `T` a step at the pace of each step done (`paced_beyond`) and at today's for those ahead, plus its process's
+        warm-up."""
         if steps is None:
             steps = self.total_steps if self.total_steps is not None else self.steps_done
-        return steps * self.full_step + self.warmup
+        done = min(steps, self.steps_done)
+        beyond = self.paced_beyond * done / self.steps_done if self.steps_done else 0.0
+        return (done + beyond + (steps - done) * self.pace) * self.full_step + self.warmup
+
+    @property
+    def full_step_now(self) -> float:
+        """Seconds of a full step at the device's pace now: what the time model is calibrated to."""
+        return self.full_step * self.pace
 
     def spend(self, seconds: float, steps: int = 0) -> None:
-        """Charge `seconds` of training time, of which `steps` optimizer steps."""
+        """Charge `seconds` of training time, of which `steps` optimizer steps (at the pace now)."""
         self.spent += seconds
         self.steps_done += steps
+        self.paced_beyond += steps * (self.pace - 1.0)
 
     def spend_overhead(self, seconds: float) -> None:
         """Charge the method's own work outside steps (profiling, selecting, applying a selection)."""
         self.spent += seconds
         self.overhead += seconds
 
-    def observe_full_steps(self, seconds: list[float]) -> None:
+    def observe_full_steps(self, seconds: list[float], forwards: Sequence[float] = ()) -> None:
         """Probe steps train every tensor, so they measure `T`: the mean over every probe step so far, leaving out
-        steps that took more than `PAUSED` times their window's median (they were paused, not slow)."""
+        steps that took more than `PAUSED` times their window's median (they were paused, not slow). `forwards`, the
+        same steps' forward passes (0: not timed), give the window's pace against the first timed window's, which
+        sets the reference (`reference_forward`): each sample counts at that window's pace, so `T` is the full step
+        at the reference pace (a forward pass that trains every tensor against another: no bias, unlike `pace`)."""
+        timed = [f for f in forwards if f > 0]
+        if self.reference_forward <= 0 and timed:
+            self.reference_forward = statistics.median(timed)
+        scale = statistics.median(timed) / self.reference_forward if timed else 1.0
         if seconds:
             middle = sorted(seconds)[(len(seconds) - 1) // 2]
             seconds = [s for s in seconds if s <= PAUSED * middle]
@@ -320,7 +349,11 @@ class WallClockPlan:
             return
         previous = self.full_step * self.full_samples
         self.full_samples += len(seconds)
-        self.full_step = (previous + math.fsum(seconds)) / self.full_samples
+        self.full_step = (previous + math.fsum(seconds) / scale) / self.full_samples
+
+    def observe_pace(self, forwards: Sequence[float]) -> None:
+        """The pace from the latest steps' forward passes (`pace.pace_of`); 1 until a window's are observed."""
+        self.pace = pace_of(forwards, self.reference_forward)
 
     def expected(self, predicted: float) -> float:
         """Seconds a step that the time model predicts at `predicted` measures, as the plan has learnt it."""
@@ -346,7 +379,7 @@ class WallClockPlan:
         selected_ahead = horizon - step - probe_steps_ahead
         if selected_ahead <= 0:
             return math.inf
-        left = self.planned(horizon) - self.spent - probe_steps_ahead * self.full_step
+        left = self.planned(horizon) - self.spent - probe_steps_ahead * self.full_step_now
         return left / selected_ahead / self.correction
 
     @property

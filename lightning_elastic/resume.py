@@ -37,6 +37,8 @@ def fit_state(fit: FitSession) -> dict[str, Any]:
         "warm_optimizer": list(fit.warmup.updates),
         "warm_full": [fit.warmup.full_seconds, fit.warmup.full_steps],
         "probe_full": list(fit.probe_full),
+        "probe_forward": list(fit.probe_forward),
+        "forwards": list(fit.forwards),
         "loop_seconds": list(fit.clock.loops),
     }
 
@@ -81,6 +83,9 @@ def restore(fit: FitSession, state: dict[str, Any] | None) -> None:
     seconds, steps = state.get("warm_full", (0.0, 0))
     fit.warmup.full_seconds, fit.warmup.full_steps = float(seconds), int(steps)
     fit.probe_full = [float(s) for s in state.get("probe_full", [])]
+    untimed = [0.0] * len(fit.probe_full)  # a checkpoint from before forward passes were timed
+    fit.probe_forward = [float(s) for s in state.get("probe_forward", untimed)]
+    fit.forwards = [float(s) for s in state.get("forwards", [])]
     fit.clock.loops = [float(s) for s in state.get("loop_seconds", [])]
     if state.get("plan"):
         restored = WallClockPlan.from_state(state["plan"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import zip_longest
 from typing import Literal
 
 import lightning as L
@@ -31,6 +32,7 @@ from lightning_elastic.freezing import (
 )
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.importance_window import LatestImportance
+from lightning_elastic.pace import PACE_SAMPLES
 from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
@@ -78,6 +80,8 @@ class FitSession:
     bn_frozen: list[str] = field(default_factory=list)
     probe_full: list[float] = field(default_factory=list)
     probe_optimizer: list[float] = field(default_factory=list)
+    probe_forward: list[float] = field(default_factory=list)  # the forward pass of each of `probe_full`'s steps
+    forwards: list[float] = field(default_factory=list)  # the latest steady steps' forward passes (`pace.pace_of`)
     selected_steps: list[float] = field(default_factory=list)
     step_at_batch_start: int = -1
     shown: dict[str, float] = field(default_factory=dict)  # what the progress bar shows (`reporting.progress_metrics`)
@@ -181,7 +185,7 @@ class FitSession:
         """Train every candidate tensor until optimizer step `end`: their importance is measured afresh."""
         self._fold_importance(trainer)
         self.probe_end = end
-        self.probe_full, self.probe_optimizer = [], []
+        self.probe_full, self.probe_optimizer, self.probe_forward = [], [], []
         self.set_trainable([not f for f in self.forbidden])
         self.hold_bn(trainer.lightning_module)
 
@@ -237,7 +241,8 @@ class FitSession:
         self.probe_end = None
         first = self.in_first_window
         samples = self.warmup.take_samples(self.probe_full, self.plan.full_step) if first else self.probe_full
-        self.plan.observe_full_steps(samples)
+        timed = zip_longest(self.probe_full, self.probe_forward, fillvalue=0.0)  # 0: a step whose forward was not timed
+        self.plan.observe_full_steps(samples, [forward for step, forward in timed if step in samples])
         if first:
             self.plan.full_step += self.prior_update  # 0 once the window measured a steady step
         if self.plan.full_samples and self.warmup.full_steps:  # against a measured `T` (a prior may be off), anew
@@ -292,7 +297,7 @@ class FitSession:
         self.clock.overhead.start()
         self.evaluator.after_step()
         self.clock.overhead.stop()
-        seconds, overhead, optimizer = self.clock.step_ended()
+        seconds, overhead, optimizer, forward = self.clock.step_ended()
         self.plan.spend(seconds, steps=1)
         self.steps_timed += 1
         if self.probe_end is not None:  # every probe step is the callback's own time, warm-up or not
@@ -312,11 +317,15 @@ class FitSession:
             self.warming = False
             self.totals["warmup_seconds"] += seconds
             self.totals["compiled_graphs"] = float(compiled_graphs() - self.graphs_at_start)
-        elif self.probe_end is not None:
+            return
+        if self.probe_end is not None:
             self.probe_full.append(seconds - overhead)  # a full step without the callback would not measure
             self.probe_optimizer.append(optimizer)
+            self.probe_forward.append(forward)
         else:
             self.selected_steps.append(seconds)
+        self.forwards = [*self.forwards, forward][-PACE_SAMPLES:]  # a steady step: the device's pace
+        self.plan.observe_pace(self.forwards)
 
     # ------------------------------------------------------------------ what a selection reads
 

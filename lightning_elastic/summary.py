@@ -32,14 +32,16 @@ class FitSummary:
         probe_steps: of them, steps in probe windows (every tensor trained).
         selected_fraction: tensors trained at the last selection, as a share of all tensors.
         selected_elements_fraction: their parameter elements, as a share of all elements.
-        full_step_seconds: a full training step (measured in probe windows; the profile's estimate before).
+        full_step_seconds: a full training step (measured in probe windows; the profile's estimate before), at the
+            pace of the steps that measured it.
         selected_step_seconds: the mean measured step under a selection.
-        measured_speedup: per step: `full_step_seconds / selected_step_seconds`.
+        measured_speedup: per step: a full step at the last pace (`full_step_seconds * pace`) over
+            `selected_step_seconds`.
         fit_speedup: the whole training part: `full_fit_seconds / spent_seconds`.
         planned_seconds: what the contract allowed for the steps done.
         spent_seconds: what they took, the callback's own work included.
-        full_fit_seconds: the estimate of full fine-tuning: the steps done at `full_step_seconds` each, plus its
-            process's warm-up (`warmup_excess_seconds`).
+        full_fit_seconds: the estimate of full fine-tuning: the steps done at `full_step_seconds` each, times the
+            device's pace as each ran, plus its process's warm-up (`warmup_excess_seconds`).
         warmup_excess_seconds: what full fine-tuning's first steps take beyond `full_step_seconds` each, as this
             fit's first full steps measured it (`WallClockPlan.warmup`).
         profile_seconds: profiling, this fit (0 when the profile came from the cache).
@@ -55,6 +57,8 @@ class FitSummary:
             fit kept no contract).
         contract: whether the fit kept the wall-clock contract (`calibrate=True`); without it the asked speedup set
             each selected step's share of the profile's full step, and nothing made up for the rest of the fit.
+        pace: how fast the device ran at the end against the steps that measured `full_step_seconds` (a full step
+            then took `full_step_seconds * pace`; `pace.pace_of`).
     """
 
     target_speedup: float
@@ -82,6 +86,7 @@ class FitSummary:
     most_trained: tuple[tuple[str, int], ...]
     shortfall: str
     contract: bool = True
+    pace: float = 1.0
 
     def figures(self) -> dict[str, float]:
         """The figures as one flat dict of numbers (what `ElasticTensorSelection.summary()` returns)."""
@@ -116,7 +121,9 @@ class FitSummary:
         )
 
     def _warmup_term(self) -> str:
-        return f" + {self.warmup_excess_seconds:.1f} s of warm-up" if self.warmup_excess_seconds >= 0.05 else ""
+        pace = f" at a pace of {self.pace:.2f} at the end" if self.pace != 1 else ""
+        warmup = f" + {self.warmup_excess_seconds:.1f} s of warm-up" if self.warmup_excess_seconds >= 0.05 else ""
+        return pace + warmup
 
     def table(self) -> str:
         """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""
@@ -155,7 +162,7 @@ def fit_summary(
     the user set it (what `shortfall` may advise); `contract` False for a fit that kept none (`calibrate=False`)."""
     last = history[-1] if history else None
     selected = [s for r in history for s in r.measured_seconds]
-    full = plan.full_step if plan is not None else math.nan
+    full, now = (plan.full_step, plan.full_step_now) if plan is not None else (math.nan, math.nan)
     mean_selected = math.fsum(selected) / len(selected) if selected else math.nan
     counts = np.sum([r.mask.flags for r in history], axis=0) if history else np.zeros(len(names))
     top = [k for k in np.argsort(-counts, kind="stable")[:5] if counts[k] > 0]
@@ -170,7 +177,7 @@ def fit_summary(
         selected_elements_fraction=last.mask.elements(numel) / max(1, sum(numel)) if last else math.nan,
         full_step_seconds=full,
         selected_step_seconds=mean_selected,
-        measured_speedup=full / mean_selected if selected and plan is not None and plan.full_samples else math.nan,
+        measured_speedup=now / mean_selected if selected and plan is not None and plan.full_samples else math.nan,
         fit_speedup=plan.speedup_so_far if plan is not None else math.nan,
         planned_seconds=plan.planned(plan.steps_done) if plan is not None else math.nan,
         spent_seconds=spent,
@@ -186,6 +193,7 @@ def fit_summary(
         most_trained=tuple((names[k], int(counts[k])) for k in top),
         shortfall="",
         contract=contract,
+        pace=plan.pace if plan is not None else 1.0,
     )
     return replace(summary, shortfall=shortfall(summary, history, probe_steps) if contract else "")
 

@@ -44,11 +44,12 @@ def step_terms(fit: FitSession, trainer: L.Trainer, calibrate: bool) -> StepTerm
 
 def _local_figures(fit: FitSession) -> tuple[float, float, float]:
     """This rank's full step `T` (the plan's: measured in steady probe steps, else the profile's pass plus
-    `prior_update`), its optimizer update (the steady probe steps' mean, else `prior_update`) and its loop (the
-    median of the latest measured, `StepClock.loop_seconds`)."""
+    `prior_update`) and its optimizer update (the steady probe steps' mean, else `prior_update`), both at the
+    device's pace now (`WallClockPlan.pace`), and its loop (the median of the latest measured,
+    `StepClock.loop_seconds`)."""
     probed = fit.probe_optimizer
     optimizer = math.fsum(probed) / len(probed) if probed else fit.prior_update
-    return fit.plan.full_step, optimizer, fit.clock.loop_seconds()
+    return fit.plan.full_step_now, optimizer * fit.plan.pace, fit.clock.loop_seconds()
 
 
 def _local_target(fit: FitSession, step: int) -> float:

@@ -115,12 +115,13 @@ LOOP_SAMPLES = 32
 
 class StepSeconds(NamedTuple):
     """One optimizer step as `StepClock.step_ended` measured it: `whole` from the end of the step before (its batch
-    loaded, forward, backward, update, hooks), of which the callback's own work (`overhead`) and the update
-    (`optimizer`)."""
+    loaded, forward, backward, update, hooks), of which the callback's own work (`overhead`), the update
+    (`optimizer`) and the forward pass up to the loss (`forward`: 0 when not timed)."""
 
     whole: float
     overhead: float
     optimizer: float
+    forward: float = 0.0
 
 
 class StepClock:
@@ -133,16 +134,19 @@ class StepClock:
         overhead: the callback's own work inside a step.
         loop: from the end of one step to the start of the next one's first batch (loading it, the loop, other
             callbacks: nothing a selection changes); `loops` keeps the latest LOOP_SAMPLES.
+        forward: from a batch's start to its backward pass (`training_step`: the same work whatever is trained, so
+            it reads the device's pace, `pace.pace_of`).
 
     Example:
-        >>> ticks = iter([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.5, 1.5])
+        >>> ticks = iter([0.0, 0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 1.0, 1.25, 1.5, 1.5, 1.5])
         >>> clock = StepClock(torch.device("cpu"), clock=lambda: next(ticks))
         >>> clock.restart()  # 0.0: a step and its loop start
-        >>> clock.loop.stop()  # 0.25: its batch is loaded
+        >>> clock.loop.stop(); clock.forward.start()  # 0.25: its batch is loaded, the forward pass starts
+        >>> clock.forward.stop()  # 0.5: the loss is computed
         >>> clock.overhead.start(); clock.overhead.stop()  # 0.5-0.75: the callback's own work
         >>> clock.optimizer.start(); clock.optimizer.stop()  # 1.0-1.25: the update
         >>> clock.step_ended(), clock.loop_seconds()  # 1.5: the next step and its loop start
-        (StepSeconds(whole=1.5, overhead=0.25, optimizer=0.25), 0.25)
+        (StepSeconds(whole=1.5, overhead=0.25, optimizer=0.25, forward=0.25), 0.25)
     """
 
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -150,6 +154,7 @@ class StepClock:
         self.optimizer = StepTimer(device, clock)
         self.overhead = StepTimer(device, clock)
         self.loop = StepTimer(device, clock)
+        self.forward = StepTimer(device, clock)
         self.loops: list[float] = []
 
     def restart(self) -> None:
@@ -162,7 +167,10 @@ class StepClock:
         self.step.stop()
         self.step.start()
         seconds = StepSeconds(
-            math.fsum(self.step.pop()), math.fsum(self.overhead.pop()), math.fsum(self.optimizer.pop())
+            math.fsum(self.step.pop()),
+            math.fsum(self.overhead.pop()),
+            math.fsum(self.optimizer.pop()),
+            math.fsum(self.forward.pop()),
         )
         self.loops = (self.loops + self.loop.pop())[-LOOP_SAMPLES:]
         self.loop.start()

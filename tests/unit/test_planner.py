@@ -9,6 +9,7 @@ import pytest
 
 from lightning_elastic import planner, warmup
 from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
+from lightning_elastic.pace import PACE_BAND
 from lightning_elastic.planner import Reach, WallClockPlan, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.records import Decision, Mask
 from lightning_elastic.schedule import Schedule
@@ -403,3 +404,38 @@ def test_the_plan_adds_full_fine_tunings_warm_up_to_what_it_allows() -> None:
     assert plan.speedup_so_far == pytest.approx((10 * 0.5 + 3.0) / 10.0)
     assert WallClockPlan.from_state(plan.state_dict()) == plan
     assert WallClockPlan.from_state({k: v for k, v in plan.state_dict().items() if k != "warmup"}).warmup == 0.0
+
+
+def test_full_fine_tuning_counts_each_step_at_the_pace_it_ran_and_those_ahead_at_todays() -> None:
+    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=1.2)
+    plan.observe_full_steps([1.2, 1.2, 1.2], forwards=[0.6, 0.6, 0.6])  # the window: the reference pace
+    assert plan.reference_forward == pytest.approx(0.6) and plan.pace == 1.0
+    plan.spend(3.6, steps=3)
+    plan.observe_pace([0.36] * 8)  # the device runs at 0.6 of the window's forward: a pace of 0.6 / 0.9
+    pace = 0.6 / (1 - PACE_BAND)
+    assert plan.pace == pytest.approx(pace) and plan.full_step_now == pytest.approx(1.2 * pace)
+    plan.spend(2.0, steps=5)
+    assert plan.full_fit(8) == pytest.approx(1.2 * (3 + 5 * pace))
+    assert plan.full_fit() == pytest.approx(1.2 * (3 + 97 * pace))
+    assert plan.full_fit(4) == pytest.approx(1.2 * (3 + 5 * pace) * 4 / 8)  # the steps done, pro rata
+    # 92 steps ahead, 4 of them probe steps at today's full step, share what is left of the plan
+    left = plan.planned() - plan.spent - 4 * 1.2 * pace
+    assert plan.target(step=8, horizon=100, probe_steps_ahead=4) == pytest.approx(left / 88)
+    assert plan.speedup_so_far == pytest.approx(1.2 * (3 + 5 * pace) / 5.6)
+
+
+def test_a_later_window_counts_at_its_own_forward_pace_against_the_first() -> None:
+    plan = WallClockPlan(speedup=2.0, total_steps=None, full_step=9.0)
+    plan.observe_full_steps([1.6, 1.6], forwards=[0.8, 0.8])  # a slow first window sets the reference
+    plan.observe_full_steps([1.0, 1.0], forwards=[0.5, 0.5])  # the device at 0.625 of it: 1.6 s at the reference
+    assert plan.full_step == pytest.approx(1.6) and plan.full_samples == 4
+    plan.observe_full_steps([2.0], forwards=[0.0])  # not timed: taken at the reference pace
+    assert plan.full_step == pytest.approx(1.68)
+
+
+def test_a_checkpoint_from_before_the_pace_counts_its_steps_at_t() -> None:
+    plan = WallClockPlan(speedup=2.0, total_steps=50, full_step=1.0)
+    plan.spend(6.0, steps=10)
+    state = {k: v for k, v in plan.state_dict().items() if k not in ("pace", "paced_beyond", "reference_forward")}
+    restored = WallClockPlan.from_state(state)
+    assert restored == plan and restored.full_fit() == pytest.approx(50.0) and restored.full_fit(10) == 10.0
