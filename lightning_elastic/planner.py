@@ -6,9 +6,11 @@ a selection. Validation is the same with and without the callback and is left ou
 
 `WallClockPlan` keeps the account. A fit of `N` optimizer steps may take `(N * T + W) / s` seconds, `T` the seconds
 of a full step (measured in probe windows, which train every tensor; the profile's estimate before) and `W` what full
-fine-tuning's first, slower steps take beyond `T` (measured in the first window's warm-up steps). At each selection
-the plan gives the steps until the horizon (the end of the fit, or of the next interval when the fit's length is
-unknown) what is left: probe steps ahead are charged at `T` each, the selected steps share the rest. Measured
+fine-tuning's first, slower steps take beyond `T` (measured in the first window's warm-up steps); each step counts
+at the device's pace as it ran (`pace`: a window run slowly leaves `T` high, the forward passes after it say by how
+much). At each selection the plan gives the steps until the horizon (the end of the fit, or of the next interval
+when the fit's length is unknown) what is left: probe steps ahead are charged at `T` each, the selected steps share
+the rest. Measured
 selected steps feed back twice: they are spent (so any error is made up for later), and the ratio of measured to
 predicted seconds corrects the time model's next predictions (so the error is not made again).
 
@@ -334,10 +336,8 @@ class WallClockPlan:
 
     def observe_full_steps(self, seconds: list[float], forwards: Sequence[float] = ()) -> None:
         """Probe steps train every tensor, so they measure `T`: the mean over every probe step so far, leaving out
-        steps that took more than `PAUSED` times their window's median (they were paused, not slow). `forwards`, the
-        same steps' forward passes (0: not timed), give the window's pace against the first timed window's, which
-        sets the reference (`reference_forward`): each sample counts at that window's pace, so `T` is the full step
-        at the reference pace (a forward pass that trains every tensor against another: no bias, unlike `pace`)."""
+        steps that took more than `PAUSED` times their window's median (paused, not slow), each at its window's pace:
+        `forwards`, their forward passes (0: not timed), against the first timed window's (`reference_forward`)."""
         timed = [f for f in forwards if f > 0]
         if self.reference_forward <= 0 and timed:
             self.reference_forward = statistics.median(timed)

@@ -43,12 +43,14 @@ def tensorboard_writers(trainer: L.Trainer) -> list[Any]:
 
 
 def contract_metrics(plan: WallClockPlan) -> dict[str, float]:
-    """The wall-clock contract's state: seconds planned for the steps done, seconds spent, and the correction."""
+    """The wall-clock contract's state: seconds planned for the steps done, seconds spent, the correction and the
+    device's pace (`pace.pace_of`)."""
     return {
         "elastic/planned_seconds": plan.planned(plan.steps_done),
         "elastic/spent_seconds": plan.spent,
         "elastic/fit_speedup": plan.speedup_so_far,
         "elastic/time_model_correction": plan.correction,
+        "elastic/pace": plan.pace,
     }
 
 
@@ -123,7 +125,7 @@ def interval_metrics(
         **contract_metrics(plan),
     }
     if plan.full_samples:  # measured against measured: without `calibrate` the record's T is the profile's
-        metrics["elastic/measured_speedup"] = plan.full_step / record.measured_step
+        metrics["elastic/measured_speedup"] = plan.full_step_now / record.measured_step
     if allreduce is not None and allreduce.last_step_full_bytes:
         metrics["elastic/allreduce_fraction"] = allreduce.last_step_bytes / allreduce.last_step_full_bytes
     return metrics

@@ -180,11 +180,14 @@ def test_interval_metrics_compare_measured_with_predicted_and_measured_full_step
         "elastic/spent_seconds": 3.0,
         "elastic/fit_speedup": pytest.approx(1.8),
         "elastic/time_model_correction": 1.0,
+        "elastic/pace": 1.0,
     }
     allreduce = SelectiveAllReduce()
     allreduce.last_step_bytes, allreduce.last_step_full_bytes = 30, 120
     measured = interval_metrics(rec, WallClockPlan(2.0, 10, 0.9, full_samples=4), allreduce)
     assert measured["elastic/measured_speedup"] == pytest.approx(3.0)
+    slower = interval_metrics(rec, WallClockPlan(2.0, 10, 0.9, full_samples=4, pace=0.5), None)  # a full step now
+    assert slower["elastic/measured_speedup"] == pytest.approx(1.5) and slower["elastic/pace"] == 0.5
     assert measured["elastic/allreduce_fraction"] == 0.25
 
 
@@ -202,6 +205,7 @@ def test_selection_metrics_are_the_record_in_milliseconds_and_shares() -> None:
         "elastic/loop_ms": 50.0,
         "elastic/select_ms": 2.0,
         "elastic/time_model_correction": 1.0,
+        "elastic/pace": 1.0,
     }
 
 
