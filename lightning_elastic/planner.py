@@ -10,9 +10,8 @@ fine-tuning's first, slower steps take beyond `T` (measured in the first window'
 at the device's pace as it ran (`pace`: a window run slowly leaves `T` high, the forward passes after it say by how
 much). At each selection the plan gives the steps until the horizon (the end of the fit, or of the next interval
 when the fit's length is unknown) what is left: probe steps ahead are charged at `T` each, the selected steps share
-the rest. Measured
-selected steps feed back twice: they are spent (so any error is made up for later), and the ratio of measured to
-predicted seconds corrects the time model's next predictions (so the error is not made again).
+the rest. Measured selected steps feed back twice: they are spent (so any error is made up for later), and the ratio
+of measured to predicted seconds corrects the time model's next predictions (so the error is not made again).
 
 Before training, `windows.plan_schedule` sizes the probe windows (or says why they do not fit) and `reach` says
 which speedup the fit can reach at all.
