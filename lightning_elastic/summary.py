@@ -40,8 +40,10 @@ class FitSummary:
         fit_speedup: the whole training part: `full_fit_seconds / spent_seconds`.
         planned_seconds: what the contract allowed for the steps done.
         spent_seconds: what they took, the callback's own work included.
-        full_fit_seconds: the estimate of full fine-tuning: the steps done at `full_step_seconds` each, times the
-            device's pace as each ran, plus its process's warm-up (`warmup_excess_seconds`).
+        full_fit_seconds: the estimate of full fine-tuning: `paced_steps` full steps of `full_step_seconds`, plus
+            its process's warm-up (`warmup_excess_seconds`).
+        paced_steps: the steps done, each counted at the device's pace as it ran (a step at pace 1.1 counts 1.1
+            full steps; `steps` when the pace stayed 1).
         warmup_excess_seconds: what full fine-tuning's first steps take beyond `full_step_seconds` each, as this
             fit's first full steps measured it (`WallClockPlan.warmup`).
         profile_seconds: profiling, this fit (0 when the profile came from the cache).
@@ -75,6 +77,7 @@ class FitSummary:
     planned_seconds: float
     spent_seconds: float
     full_fit_seconds: float
+    paced_steps: float
     warmup_excess_seconds: float
     profile_seconds: float
     probe_seconds: float
@@ -115,15 +118,18 @@ class FitSummary:
                 f"a selected step {self.selected_step_seconds * 1e3:.1f} ms; no steady full step measured (the probe "
                 f"steps were the process's warm-up steps), estimated at {self.full_step_seconds * 1e3:.1f} ms"
             )
+        pace = f" (the device's pace at the end, {self.pace:.2f}, x {self.full_step_seconds * 1e3:.1f} ms)"
         return (
             f"{self.measured_speedup:.2f}x: a selected step {self.selected_step_seconds * 1e3:.1f} ms against a full "
-            f"step {self.full_step_seconds * 1e3:.1f} ms"
+            f"step {self.full_step_seconds * self.pace * 1e3:.1f} ms{pace if self.pace != 1 else ''}"
         )
 
-    def _warmup_term(self) -> str:
-        pace = f" at a pace of {self.pace:.2f} at the end" if self.pace != 1 else ""
+    def _full_fit_terms(self) -> str:
+        steps = f"{self.steps} steps"
+        if abs(self.paced_steps - self.steps) >= 0.05:
+            steps += f" ({self.paced_steps:.1f} at the device's pace as each ran)"
         warmup = f" + {self.warmup_excess_seconds:.1f} s of warm-up" if self.warmup_excess_seconds >= 0.05 else ""
-        return pace + warmup
+        return f"{steps} x {self.full_step_seconds * 1e3:.1f} ms{warmup}"
 
     def table(self) -> str:
         """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""
@@ -133,7 +139,7 @@ class FitSummary:
         lines = [
             f"  fit speedup        {self.headline()}: "
             f"{self.spent_seconds:.1f} s spent against {self.full_fit_seconds:.1f} s estimated for training every "
-            f"tensor ({self.steps} steps x {self.full_step_seconds * 1e3:.1f} ms{self._warmup_term()}); "
+            f"tensor ({self._full_fit_terms()}); "
             f"{self.planned_seconds:.1f} s planned",
             f"  per-step speedup   {self.per_step()}",
             f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit): profile {self.profile_seconds:.1f} s, "
@@ -182,6 +188,7 @@ def fit_summary(
         planned_seconds=plan.planned(plan.steps_done) if plan is not None else math.nan,
         spent_seconds=spent,
         full_fit_seconds=plan.full_fit(plan.steps_done) if plan is not None else math.nan,
+        paced_steps=plan.steps_done + plan.paced_beyond if plan is not None else 0.0,
         warmup_excess_seconds=plan.warmup if plan is not None else 0.0,
         profile_seconds=totals.get("profile_seconds", 0.0),
         probe_seconds=totals.get("probe_seconds", 0.0),

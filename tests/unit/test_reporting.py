@@ -62,6 +62,27 @@ def test_summary_compares_the_fit_with_full_fine_tuning() -> None:
     assert json.loads(json.dumps(s.to_dict()))["most_trained"] == [["head.weight", 2], ["block.weight", 1]]
 
 
+def test_the_table_counts_the_steps_at_the_pace_each_ran_and_adds_up() -> None:
+    # 4 steps at pace 1, then the device ran 25% slower for 6: full fine-tuning would have taken 4 + 6 x 1.25 = 11.5 T
+    plan = WallClockPlan(speedup=2.0, total_steps=10, full_step=0.2, full_samples=2)
+    plan.spend(1.0, steps=4)
+    plan.pace = 1.25
+    plan.spend(0.2 * 10 - 1.0 + 0.3, steps=6)
+    history = [record([False, True, True], (0.125,))]
+    s = fit_summary(history, plan, {}, NAMES, NUMEL, target_speedup=2.0)
+    assert s.paced_steps == pytest.approx(11.5)
+    assert s.full_fit_seconds == pytest.approx(s.paced_steps * s.full_step_seconds + s.warmup_excess_seconds)
+    lines = s.table().splitlines()
+    assert "(10 steps (11.5 at the device's pace as each ran) x 200.0 ms)" in lines[0]
+    assert f"{s.full_fit_seconds:.1f} s estimated" in lines[0]
+    # per step: a full step at the pace now (250 ms) over the selected step
+    assert s.measured_speedup == pytest.approx(2.0)
+    assert lines[1] == (
+        "  per-step speedup   2.00x: a selected step 125.0 ms against a full step 250.0 ms (the device's pace at the "
+        "end, 1.25, x 200.0 ms)"
+    )
+
+
 def test_a_missed_speedup_says_why_and_what_to_change() -> None:
     history = [record([True, True, True], (0.9,), predicted=0.5, starved=True)]
     totals = {"profile_seconds": 1.0, "probe_seconds": 2.0, "select_seconds": 0.0, "apply_seconds": 0.0}
