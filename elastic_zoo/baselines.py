@@ -27,8 +27,8 @@ from typing_extensions import override
 from lightning_elastic.arguments import speedup_problem
 from lightning_elastic.errors import SpeedupOutOfReach
 from lightning_elastic.freezing import match_patterns
-from lightning_elastic.planner import at_most
 from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.reach import at_most
 from lightning_elastic.time_model import StepTimeModel
 
 # Layers whose parameters are a scale and a shift of normalised activations: BitFit trains them with the biases.

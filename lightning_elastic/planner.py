@@ -13,8 +13,8 @@ when the fit's length is unknown) what is left: probe steps ahead are charged at
 the rest. Measured selected steps feed back twice: they are spent (so any error is made up for later), and the ratio
 of measured to predicted seconds corrects the time model's next predictions (so the error is not made again).
 
-Before training, `windows.plan_schedule` sizes the probe windows (or says why they do not fit) and `reach` says
-which speedup the fit can reach at all.
+Before training, `windows.plan_schedule` sizes the probe windows (or says why they do not fit) and `reach.reach`
+says which speedup the fit can reach at all.
 
 Pure arithmetic with no clock of its own: the callback feeds it measured seconds, tests feed it known ones.
 """
@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lightning_elastic.errors import SpeedupOutOfReach
 from lightning_elastic.pace import pace_of
 from lightning_elastic.records import Decision, Mask
-from lightning_elastic.schedule import Schedule
-from lightning_elastic.time_model import StepTimeModel
 
 # The weight of the latest interval's measured / predicted ratio in the correction (the first one counts fully).
 CORRECTION_RATE = 0.5
@@ -40,41 +37,9 @@ CORRECTION_BOUNDS = (0.25, 4.0)
 # A probe step that took more than this many times the window's median was paused (by the OS, another process, a
 # garbage collection): with 3 or 4 steps a window, one such step would move `T` by a third. Not a sample of `T`.
 PAUSED = 2.0
-# Before training, a speedup that leaves the selected steps less than this share of a full step above the cheapest
-# selection is warned about: its selections train little more than the cheapest set. MiniLM's 90-step first runs at
-# 2x had about 0.0-0.05 (the plan left 166-197 ms a step against a cheapest selection of 184-209 ms), trained 2-5
-# tensors and reached 78-92% where static last-k, with a step 0.07 of a full step above that floor, trained 17% of
-# the tensors and reached 94.9% (docs/results.md).
-NARROW_ROOM = 0.05
 # After a selection's first REPLAN_AFTER measured steps, a median over REPLAN_TOLERANCE off what the plan expected
 # re-plans at once, at most REPLANS times in a row (`replan_due`, `terms.off_plan`).
 REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
-
-
-def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:
-    """The largest whole-fit speedup: every probe step at full cost, every other step at the cheapest selection.
-
-    Args:
-        total_steps: optimizer steps of the fit `N`.
-        probe_steps: how many of them lie in probe windows.
-        sunk_steps: seconds already spent (profiling), in full steps.
-        floor: the cheapest selected step, as a fraction of a full step.
-
-    Example:
-        >>> reachable_speedup(total_steps=100, probe_steps=10, sunk_steps=5.0, floor=0.3)
-        2.380952380952381
-    """
-    return total_steps / (sunk_steps + probe_steps + (total_steps - probe_steps) * floor)
-
-
-def at_most(limit: float) -> str:
-    """`limit` rounded down to two decimals: a figure shown as a ceiling is never above the true one.
-
-    Example:
-        >>> at_most(1.0549), at_most(2.0)
-        ('1.05', '2.00')
-    """
-    return f"{math.floor(limit * 100) / 100:.2f}"
 
 
 def replan_due(ratio: float, decision: Decision, forbidden: Mask) -> bool:
@@ -95,167 +60,6 @@ def replan_due(ratio: float, decision: Decision, forbidden: Mask) -> bool:
     if (ratio > 1 and decision.starved) or (ratio < 1 and (everything or unhurried)):
         return False
     return abs(ratio - 1.0) > REPLAN_TOLERANCE
-
-
-@dataclass(frozen=True)
-class Reach:
-    """The largest speedup a fit reaches when every selected step is the cheapest selection (see `reach`).
-
-    Attributes:
-        floor: the cheapest selected step, as a share of a full step.
-        reachable: the largest speedup, this run's profiling left out (what a later fit that reads the profile from
-            the cache, the default, reaches).
-        this_fit: the largest speedup of this fit, with what its profiling cost.
-        scope: what the figures count, in words.
-        profile_seconds: what profiling took this run.
-        profile_steps: the same in full steps of the time model.
-        selected_share: the share of the fit's steps that are selected steps (the others are probe steps).
-        own_steps: profiling and probe steps in full steps, the callback's own time as planned (`own_share`).
-        total_steps: optimizer steps of the fit (None: not known, or no plan to keep).
-    """
-
-    floor: float
-    reachable: float
-    this_fit: float
-    scope: str
-    profile_seconds: float
-    profile_steps: float
-    selected_share: float = 1.0
-    own_steps: float = 0.0
-    total_steps: int | None = None
-
-    def own_share(self, speedup: float) -> float | None:
-        """The callback's own time as planned (profiling, probe steps counted whole) against the fit planned at
-        `speedup` (`total_steps / speedup` full steps); None when there is no plan of the whole fit (its length is not
-        known, or `calibrate` is off).
-
-        Example:
-            >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
-            >>> fit = reach(model, [False] * 2, [False] * 2, Schedule(10, "step", 2, total_steps=100), 100, 12.0, 6.0)
-            >>> fit.own_steps, fit.own_share(2.0)  # 2 full steps of profiling, 20 probe steps, of a 50-step plan
-            (22.0, 0.44)
-        """
-        return None if self.total_steps is None else self.own_steps * speedup / self.total_steps
-
-    def room(self, speedup: float) -> float:
-        """What a selected step may spend above the cheapest selection at `speedup`, on average over the fit and with
-        this run's profiling paid, as a share of a full step (negative: out of this fit's reach)."""
-        return (1.0 / speedup - 1.0 / self.this_fit) / self.selected_share
-
-    def leaving(self, room: float) -> float:
-        """The speedup that leaves the selected steps `room` (see `room`)."""
-        return 1.0 / (room * self.selected_share + 1.0 / self.this_fit)
-
-    def check(self, speedup: float) -> str | None:
-        """Refuse a `speedup` out of reach; the warning when only this run's profiling puts it out of reach.
-
-        Raises:
-            SpeedupOutOfReach: with the largest reachable speedup (`refusal`).
-        """
-        if (refusal := self.refusal(speedup)) is not None:
-            raise SpeedupOutOfReach(refusal, reachable=float(at_most(self.reachable)))
-        return self.warning(speedup)
-
-    def refusal(self, speedup: float) -> str | None:
-        """The `ElasticConfigError` message when `speedup` is out of reach; None when it is not."""
-        if self.reachable >= speedup:
-            return None
-        return (
-            f"`speedup` must be at most {at_most(self.reachable)} for this model on this device {self.scope}: the "
-            "forward pass and the parts of a step that every selection pays (at least the `train_always` tensors, or "
-            f"one tensor) take {self.floor:.0%} of a full step. Train fewer tensors always, use fewer `probe_steps`, "
-            f"a longer fit, or a lower speedup. Found: {speedup!r}"
-        )
-
-    def warning(self, speedup: float) -> str | None:
-        """The warning when only this run's profiling puts `speedup` out of reach, or when it leaves the selected
-        steps less than NARROW_ROOM above the cheapest selection; None otherwise."""
-        if self.this_fit < speedup:
-            return (
-                f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.1f} full "
-                f"steps) of this fit's budget, so this fit reaches at most {at_most(self.this_fit)}x of the `speedup` "
-                f"{speedup!r} asked; without it (a later fit on this device that reads the profile from the cache) "
-                f"{at_most(self.reachable)}x."
-            )
-        if (room := self.room(speedup)) >= NARROW_ROOM:
-            return None
-        return (
-            f"ElasticTensorSelection: `speedup` {speedup!r} leaves this fit's selected steps {room:.1%} of a full step "
-            f"above the cheapest selection ({self.floor:.0%} of a full step: the forward pass and what every selection "
-            f"trains), {self.scope} and {self.profile_seconds:.1f} s of profiling: its selections can train little "
-            f"more than the cheapest set, and accuracy may fall toward training that set alone. At most "
-            f"{at_most(self.leaving(NARROW_ROOM))}x leaves {NARROW_ROOM:.0%}; a longer fit, or a later fit that reads "
-            "the profile from the cache (the default), leaves more."
-        )
-
-
-def reach(
-    model: StepTimeModel,
-    required: Sequence[bool],
-    forbidden: Sequence[bool],
-    schedule: Schedule,
-    total_steps: int | None,
-    profile_seconds: float,
-    full_step: float,
-) -> Reach:
-    """What a fit can reach: probe steps at full cost, every other step at the cheapest selection.
-
-    Args:
-        model: the time model of the profile.
-        required, forbidden: the tensors every selection trains, and those none trains.
-        schedule: the fit's schedule (its probe windows).
-        total_steps: optimizer steps of the fit; None counts per step (fit length unknown, or no plan to keep).
-        profile_seconds: what profiling took this run.
-        full_step: the profile's full step, the unit of `profile_seconds` in the plan.
-
-    Example:
-        >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
-        >>> fit = reach(model, [False, False], [False, False], Schedule(4, "step", 1), 8, 6.0, full_step=6.0)
-        >>> round(fit.floor, 2), round(fit.reachable, 2), round(fit.this_fit, 2)
-        (0.6, 1.33, 1.14)
-    """
-    floor = model.cheapest(required, forbidden) / model.full
-    profile_steps = profile_seconds / model.full
-    if total_steps is None:
-        return Reach(floor, 1.0 / floor, 1.0 / floor, "(per step)", profile_seconds, profile_steps)
-    probes = schedule.probe_steps_between(0, total_steps)
-    return Reach(
-        floor=floor,
-        reachable=reachable_speedup(total_steps, probes, 0.0, floor),
-        this_fit=reachable_speedup(total_steps, probes, profile_seconds / full_step, floor),
-        scope=f"in a fit of {total_steps} steps with {probes} probe steps at full cost",
-        profile_seconds=profile_seconds,
-        profile_steps=profile_steps,
-        selected_share=max(total_steps - probes, 1) / max(total_steps, 1),
-        own_steps=profile_seconds / full_step + probes,
-        total_steps=total_steps,
-    )
-
-
-def reach_shortening(
-    schedule: Schedule, speedup: float, reach_of: Callable[[Schedule], Reach]
-) -> tuple[Schedule, Reach]:
-    """What `schedule` reaches (`reach_of`, e.g. `reach` with the fit's model), with a first window longer than the
-    others (`windows.auto_probe_plan`'s, to time `T`) cut back to their length when it alone would put `speedup` out
-    of this fit's reach: the schedule to run and what it reaches.
-
-    Example:
-        >>> model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
-        >>> reach_of = lambda schedule: reach(model, [False] * 2, [False] * 2, schedule, 100, 0.0, 5.0)
-        >>> long = Schedule(50, "step", 1, first_probe_steps=6)  # 7 probe steps of 100 reach 1.58x, 2 1.63x
-        >>> schedule, fit = reach_shortening(long, 1.62, reach_of)
-        >>> schedule.first_window_end, round(fit.this_fit, 3)
-        (1, 1.634)
-        >>> reach_shortening(long, 1.55, reach_of)[0] is long
-        True
-    """
-    limit = reach_of(schedule)
-    if schedule.first_probe_steps > schedule.probe_steps and limit.this_fit < speedup:
-        short = replace(schedule, first_probe_steps=0)
-        shorter = reach_of(short)
-        if shorter.this_fit > limit.this_fit:
-            return short, shorter
-    return schedule, limit
 
 
 @dataclass

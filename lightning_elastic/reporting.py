@@ -19,8 +19,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.inspection import module_rows, profile_table
-from lightning_elastic.planner import WallClockPlan, at_most
+from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.reach import at_most
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
 
@@ -64,7 +65,7 @@ def start_message(
 ) -> str:
     r"""What the fit starts with: the profile's figures, the target and the schedule, the steps its first window
     may `run_on` while the process warms up (`warmup.FirstWindow.run_on_limit`), and elastic's own time as planned
-    (`planner.Reach.own_share`; None: not known), said when it is over `windows.OWN_SHARE` as the summary rounds it.
+    (`reach.Reach.own_share`; None: not known), said when it is over `windows.OWN_SHARE` as the summary rounds it.
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,

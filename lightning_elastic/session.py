@@ -33,9 +33,10 @@ from lightning_elastic.freezing import (
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.importance_window import LatestImportance
 from lightning_elastic.pace import PACE_SAMPLES
-from lightning_elastic.planner import Reach, WallClockPlan, reach, reach_shortening
+from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
+from lightning_elastic.reach import Reach, reach, reach_shortening
 from lightning_elastic.records import Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
