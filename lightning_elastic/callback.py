@@ -356,9 +356,9 @@ class ElasticTensorSelection(Callback):
         pins = (fit.required, fit.forbidden)
         target, resolution = terms.target, self._settings.resolution
         decision = decide(terms.model, importance, target, required=pins[0], forbidden=pins[1], resolution=resolution)
-        if decision.starved and not fit.warned_starved:
-            fit.warned_starved = True
-            rank_zero_warn(reporting.starved_warning(trainer.global_step, decision, terms, fit.plan, *pins))
+        if fit.say_starved(decision):
+            ahead = fit.schedule.probe_steps_between(trainer.global_step, fit.plan.total_steps or 0)
+            rank_zero_warn(reporting.starved_warning(trainer.global_step, decision, terms, fit.plan, *pins, ahead))
         select_seconds = self._settings.clock() - started
         fit.apply(pl_module, decision.mask)
         apply_seconds = self._settings.clock() - started - select_seconds

@@ -185,6 +185,23 @@ class WallClockPlan:
         left = self.planned(horizon) - self.spent - probe_steps_ahead * self.full_step_now
         return left / selected_ahead / self.correction
 
+    def reachable(self, step: int, probe_steps_ahead: int, cheapest: float) -> float | None:
+        """The whole fit's speedup if every selected step from optimizer step `step` to the fit's end measured
+        `cheapest` seconds (the cheapest selection, as the plan expects it) and the probe steps ahead `T` at today's
+        pace each; None when the fit's length is not known.
+
+        Example:
+            >>> plan = WallClockPlan(speedup=3.0, total_steps=100, full_step=1.0, spent=12.0, steps_done=10)
+            >>> round(plan.reachable(10, probe_steps_ahead=2, cheapest=0.3), 3)  # 100 s in 12 + 2 + 88 x 0.3 = 40.4
+            2.475
+        """
+        if self.total_steps is None:
+            return None
+        ahead = max(self.total_steps - step, 0)
+        probes = min(probe_steps_ahead, ahead)
+        best = self.spent + probes * self.full_step_now + (ahead - probes) * cheapest
+        return self.full_fit() / best if best > 0 else math.inf
+
     @property
     def speedup_so_far(self) -> float:
         """Estimated full fine-tuning seconds of the steps done, over the seconds spent on them."""

@@ -226,15 +226,33 @@ def starved_warning(
     plan: WallClockPlan,
     required: Sequence[bool],
     forbidden: Sequence[bool],
+    probe_steps_ahead: int = 0,
 ) -> str:
-    """The warning, once a fit, when even the cheapest selection takes longer than the plan's step target."""
+    """The warning when even the cheapest selection takes longer than the plan's step target (`FitSession.say_starved`
+    says when): once `T` is measured, with what the whole fit reaches at that selection for every step left
+    (`WallClockPlan.reachable`), measured where the check before training had only the profile."""
     largest = terms.model.max_speedup(required, forbidden, terms.full)
+    measured = plan.full_samples > 0
+    reachable = plan.reachable(step, probe_steps_ahead, plan.expected(decision.predicted_seconds)) if measured else None
+    if plan.total_steps is not None and not measured:
+        outcome = (
+            "Later intervals pay it back if they can; what the whole fit can reach is said once a probe window has "
+            "measured the full step."
+        )
+    elif reachable is None:
+        outcome = "Later intervals pay it back if they can: the summary's `fit_speedup` is the outcome."
+    elif reachable < plan.speedup:
+        outcome = (
+            f"With the cheapest selection at every step left, this fit reaches at most {at_most(reachable)}x: the "
+            f"`speedup` asked is out of its reach (ask at most that, or fit longer)."
+        )
+    else:
+        outcome = f"Later intervals can pay it back: at the cheapest selection this fit reaches {at_most(reachable)}x."
     return (
         f"ElasticTensorSelection: at step {step} the plan leaves {decision.target_seconds * 1e3:.1f} ms a step "
         f"(full step {terms.full * 1e3:.1f} ms, {plan.spent:.1f} s spent of {plan.planned():.1f} s planned); "
         f"the cheapest selection takes {decision.predicted_seconds * 1e3:.1f} ms, so this interval spends more "
-        f"than its share of `speedup` {plan.speedup!r} (largest per-step speedup: {at_most(largest)}x). Later "
-        "intervals pay it back if they can: the summary's `fit_speedup` is the outcome. Warned once a fit."
+        f"than its share of `speedup` {plan.speedup!r} (largest per-step speedup: {at_most(largest)}x). {outcome}"
     )
 
 

@@ -37,7 +37,7 @@ from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
 from lightning_elastic.reach import Reach, reach, reach_shortening
-from lightning_elastic.records import Mask, SelectionRecord
+from lightning_elastic.records import Decision, Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
@@ -86,7 +86,7 @@ class FitSession:
     selected_steps: list[float] = field(default_factory=list)
     step_at_batch_start: int = -1
     shown: dict[str, float] = field(default_factory=dict)  # what the progress bar shows (`reporting.progress_metrics`)
-    warned_starved: bool = False
+    warned_starved: int = 0  # 0: not warned; 1: warned before `T` was measured; 2: after (`say_starved`)
     warned_nonfinite: bool = False
     warming: bool = False  # the next step is the first with a new trainable set of a compiled module: not a sample
     steps_timed: int = 0  # optimizer steps this session measured (in this process): the first few warm up (`windows`)
@@ -268,6 +268,15 @@ class FitSession:
     def prior_update(self) -> float:
         """The optimizer update `T` is planned with until a steady full step is measured (`FirstWindow`)."""
         return self.warmup.prior_update(measured=bool(self.plan.full_samples))
+
+    def say_starved(self, decision: Decision) -> bool:
+        """Whether to warn of a `starved` selection (`reporting.starved_warning`): the first, and the first once `T`
+        is measured, whose warning says what the whole fit reaches; never again."""
+        level = 2 if self.plan.full_samples else 1
+        if not decision.starved or self.warned_starved >= level:
+            return False
+        self.warned_starved = level
+        return True
 
     def check_trainable(self) -> None:
         """Refuse a trainable set that something else changed: it would escape the plan and the selection.

@@ -342,3 +342,22 @@ def test_a_checkpoint_from_before_the_pace_counts_its_steps_at_t() -> None:
     state = {k: v for k, v in plan.state_dict().items() if k not in ("pace", "paced_beyond", "reference_forward")}
     restored = WallClockPlan.from_state(state)
     assert restored == plan and restored.full_fit() == pytest.approx(50.0) and restored.full_fit(10) == 10.0
+
+
+@pytest.mark.parametrize("pace", [1.0, 0.8])
+def test_the_reachable_speedup_is_what_the_fit_lands_on_at_the_cheapest_step(pace: float) -> None:
+    """`reachable` against the fit run out: 10 steps spent, then every step to the end at the cheapest selection but
+    the probe steps ahead at `T` (at the device's pace, which the steps ahead and their full-fit estimate share)."""
+    plan = WallClockPlan(speedup=3.0, total_steps=60, full_step=0.5, warmup=0.7)
+    plan.spend(1.0, steps=0)  # profiling
+    plan.spend(6.0, steps=10)
+    plan.pace = pace
+    schedule = Schedule(interval=20, unit="step", probe_steps=2, total_steps=60)
+    probes = schedule.probe_steps_between(10, 60)
+    assert probes == 4  # steps 18, 19, 38, 39
+    cheapest = 0.2
+    predicted = plan.reachable(10, probes, cheapest)
+    for step in range(10, 60):
+        plan.spend(plan.full_step_now if schedule.window_end(step) is not None else cheapest, steps=1)
+    assert predicted == pytest.approx(plan.speedup_so_far, rel=1e-12)
+    assert WallClockPlan(speedup=3.0, total_steps=None, full_step=0.5).reachable(0, 0, cheapest) is None

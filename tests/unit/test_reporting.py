@@ -9,6 +9,7 @@ from lightning_elastic import reporting, warmup
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.reach import at_most
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
 from lightning_elastic.reporting import (
     interval_metrics,
@@ -237,17 +238,35 @@ def test_progress_shows_probe_windows_as_every_tensor_trained() -> None:
     assert progress_metrics(False, mask) == {"elastic/probing": 0.0, "elastic/trained": 0.25}
 
 
-def test_starved_warning_gives_the_target_the_cheapest_step_and_the_largest_speedup() -> None:
+def test_starved_warning_gives_the_target_the_cheapest_step_and_what_the_whole_fit_reaches() -> None:
     model = StepTimeModel(t_dw=(0.01, 0.01), t_dy=(0.01, 0.01), t_fixed=0.02)  # cheapest: the last tensor, 30 ms
     decision = Decision(Mask.of([False, True]), (1.0, 2.0), predicted_seconds=0.03, target_seconds=0.025, starved=True)
-    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5)
-    text = starved_warning(12, decision, StepTerms(model, 0.05, 0.0, 0.025), plan, [False, False], [False, False])
+    terms = StepTerms(model, 0.05, 0.0, 0.025)
+    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5, full_samples=2)
+    text = starved_warning(12, decision, terms, plan, [False, False], [False, False])
+    # the whole fit at the cheapest step from here: 100 x 50 ms of full fine-tuning in 1.5 s + 88 x 30 ms = 4.14 s
     assert text == (
         "ElasticTensorSelection: at step 12 the plan leaves 25.0 ms a step (full step 50.0 ms, 1.5 s spent of 2.5 s "
         "planned); the cheapest selection takes 30.0 ms, so this interval spends more than its share of `speedup` 2.0 "
-        "(largest per-step speedup: 1.66x). Later intervals pay it back if they can: the summary's `fit_speedup` is "
-        "the outcome. Warned once a fit."
+        "(largest per-step speedup: 1.66x). With the cheapest selection at every step left, this fit reaches at most "
+        "1.20x: the `speedup` asked is out of its reach (ask at most that, or fit longer)."
     )
+    # two probe steps ahead at the full step, and a plan that has learnt its steps measure 10% over the model
+    plan.correction = 1.1
+    text = starved_warning(12, decision, terms, plan, [False, False], [False, False], 2)
+    assert f"reaches at most {at_most(5.0 / (1.5 + 2 * 0.05 + 86 * 0.033))}x:" in text
+    # a fit that has time in hand: the interval's overspend is paid back later
+    ahead = WallClockPlan(speedup=1.5, total_steps=100, full_step=0.05, spent=0.2, full_samples=2)
+    text = starved_warning(12, decision, terms, ahead, [False, False], [False, False])
+    assert text.endswith(f"Later intervals can pay it back: at the cheapest selection this fit reaches {at_most(5.0 / 2.84)}x.")
+    # `T` not measured yet (the profile's): no figure, it comes with a later warning
+    unmeasured = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5)
+    text = starved_warning(12, decision, terms, unmeasured, [False, False], [False, False])
+    assert text.endswith("what the whole fit can reach is said once a probe window has measured the full step.")
+    # a fit of unknown length: no whole-fit figure
+    endless = WallClockPlan(speedup=2.0, total_steps=None, full_step=0.05, spent=1.5, full_samples=2)
+    text = starved_warning(12, decision, terms, endless, [False, False], [False, False])
+    assert text.endswith("Later intervals pay it back if they can: the summary's `fit_speedup` is the outcome.")
 
 
 class Writer:
