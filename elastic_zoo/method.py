@@ -108,13 +108,20 @@ class StaticLastK(FineTuningMethod):
     The choice is made before the fit, from `profile` (a saved timing profile's JSON file) when given, else from
     a profile taken on one batch of the training set on `accelerator` with `time_model`, calibrated to a training
     step timed there too (`offline_step`): the pass alone left out the update and the loop, and a "3x" static fit
-    ran at 2.09-2.77x (docs/results.md).
+    ran at 2.09-2.77x (docs/results.md). With `calibrate` False (the elastic callback's `calibrate`, followed so
+    that both choose under the same time model), under the profile's pass alone: the same choice in every run.
     """
 
     name = "static_last_k"
 
     def __init__(
-        self, head: str, static_speedup: float, time_model: str, accelerator: str, profile: str | None = None
+        self,
+        head: str,
+        static_speedup: float,
+        time_model: str,
+        accelerator: str,
+        profile: str | None = None,
+        calibrate: bool = True,
     ) -> None:
         if (problem := speedup_problem(static_speedup, "static_speedup")) is not None:
             raise ValueError(problem)
@@ -123,11 +130,13 @@ class StaticLastK(FineTuningMethod):
         self.time_model = time_model
         self.accelerator = accelerator
         self.profile = profile
+        self.calibrate = calibrate
 
     def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
         """The suffix that fits, under the profile calibrated to a training step timed offline (`offline_step`),
         so that the fit runs at `static_speedup` (the wait for batches is not timed: a fit whose loading is slow
-        runs a little under it); without data (`datamodule` None, a saved profile), under the profile's pass alone.
+        runs a little under it); without data (`datamodule` None, a saved profile) or `calibrate`, under the
+        profile's pass alone.
 
         Raises:
             ValueError: with neither a saved `profile` nor a `datamodule` to profile on.
@@ -144,7 +153,7 @@ class StaticLastK(FineTuningMethod):
                 "(a datamodule) or a saved profile (`profile`, a JSON file). Found: neither"
             )
         model = None
-        if batch is not None:
+        if batch is not None and self.calibrate:
             step, update = offline_step(module, batch)
             model = StepTimeModel.calibrated(timing, full_step=step, optimizer_seconds=update)
         names = last_k_within_budget(timing, self.static_speedup, self.head, model)

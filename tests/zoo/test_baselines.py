@@ -180,6 +180,9 @@ def test_static_last_k_fits_the_step_it_timed_before_the_fit(
     assert not timed
     assert static.prepare(module, datamodule=_Batches()).trained_tensors == 3
     assert len(timed) == 1 and timed[0][0].shape == (4, 3, 16, 16)
+    # the elastic callback's `calibrate=False` followed: the pass alone, with data too, and no step timed
+    uncalibrated = StaticLastK("model.10.*", 2.0, "measured", "cpu", profile=str(path), calibrate=False)
+    assert uncalibrated.prepare(module, datamodule=_Batches()).trained_tensors == 6 and len(timed) == 1
     with pytest.raises(ValueError, match=r"needs the training data \(a datamodule\) or a saved profile .* Found: neither"):
         StaticLastK("model.10.*", 2.0, "measured", "cpu").prepare(module, datamodule=None)
 
