@@ -24,6 +24,7 @@ from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.reach import at_most
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
 from lightning_elastic.schedule import Schedule
+from lightning_elastic.summary import MET_WITHIN
 
 TEXT_NAMES = 24  # trained tensors named one by one in a selection's text; beyond, modules are named ...
 TEXT_MODULES = 8  # ... at most this many
@@ -241,10 +242,15 @@ def starved_warning(
         )
     elif reachable is None:
         outcome = "Later intervals pay it back if they can: the summary's `fit_speedup` is the outcome."
-    elif reachable < plan.speedup:
+    elif reachable < plan.speedup * (1 - MET_WITHIN):
         outcome = (
             f"With the cheapest selection at every step left, this fit reaches at most {at_most(reachable)}x: the "
             f"`speedup` asked is out of its reach (ask at most that, or fit longer)."
+        )
+    elif reachable < plan.speedup:
+        outcome = (
+            f"With the cheapest selection at every step left, this fit reaches at most {at_most(reachable)}x: within "
+            f"the {MET_WITHIN:.0%} of the asked that the summary counts as met, with nothing to spare."
         )
     else:
         outcome = f"Later intervals can pay it back: at the cheapest selection this fit reaches {at_most(reachable)}x."

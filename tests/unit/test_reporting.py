@@ -255,6 +255,14 @@ def test_starved_warning_gives_the_target_the_cheapest_step_and_what_the_whole_f
     plan.correction = 1.1
     text = starved_warning(12, decision, terms, plan, [False, False], [False, False], 2)
     assert f"reaches at most {at_most(5.0 / (1.5 + 2 * 0.05 + 86 * 0.033))}x:" in text
+    # within the share the summary counts as met (3%): said so, not out of reach (3x asked; 100 full steps of 100 ms
+    # in 0.73 s + 88 x 30 ms: 2.967x)
+    edge = WallClockPlan(speedup=3.0, total_steps=100, full_step=0.1, spent=0.73, full_samples=2)
+    text = starved_warning(12, decision, terms, edge, [False, False], [False, False])
+    assert text.endswith(
+        "this fit reaches at most 2.96x: within the 3% of the asked that the summary counts as met, with nothing to "
+        "spare."
+    ), text
     # a fit that has time in hand: the interval's overspend is paid back later
     ahead = WallClockPlan(speedup=1.5, total_steps=100, full_step=0.05, spent=0.2, full_samples=2)
     text = starved_warning(12, decision, terms, ahead, [False, False], [False, False])
