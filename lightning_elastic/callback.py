@@ -357,8 +357,8 @@ class ElasticTensorSelection(Callback):
         target, resolution = terms.target, self._settings.resolution
         decision = decide(terms.model, importance, target, required=pins[0], forbidden=pins[1], resolution=resolution)
         if fit.say_starved(decision):
-            ahead = fit.schedule.probe_steps_between(trainer.global_step, fit.plan.total_steps or 0)
-            rank_zero_warn(reporting.starved_warning(trainer.global_step, decision, terms, fit.plan, *pins, ahead))
+            step, plan = trainer.global_step, fit.plan
+            rank_zero_warn(reporting.starved_warning(step, decision, terms, plan, fit.schedule, *pins))
         select_seconds = self._settings.clock() - started
         fit.apply(pl_module, decision.mask)
         apply_seconds = self._settings.clock() - started - select_seconds

@@ -225,23 +225,26 @@ def starved_warning(
     decision: Decision,
     terms: StepTerms,
     plan: WallClockPlan,
+    schedule: Schedule,
     required: Sequence[bool],
     forbidden: Sequence[bool],
-    probe_steps_ahead: int = 0,
 ) -> str:
     """The warning when even the cheapest selection takes longer than the plan's step target (`FitSession.say_starved`
-    says when): once `T` is measured, with what the whole fit reaches at that selection for every step left
-    (`WallClockPlan.reachable`), measured where the check before training had only the profile."""
+    says when): once `T` is measured, with what the whole fit reaches at that selection for every step left and the
+    probe steps of `schedule` ahead (`WallClockPlan.reachable`), measured where the check before training had only
+    the profile."""
     largest = terms.model.max_speedup(required, forbidden, terms.full)
-    measured = plan.full_samples > 0
-    reachable = plan.reachable(step, probe_steps_ahead, plan.expected(decision.predicted_seconds)) if measured else None
-    if plan.total_steps is not None and not measured:
+    reachable = None
+    if plan.full_samples and plan.total_steps is not None:
+        ahead = schedule.probe_steps_between(step, plan.total_steps)
+        reachable = plan.reachable(step, ahead, plan.expected(decision.predicted_seconds))
+    if reachable is None:
         outcome = (
-            "Later intervals pay it back if they can; what the whole fit can reach is said once a probe window has "
-            "measured the full step."
+            "Later intervals pay it back if they can: the summary's `fit_speedup` is the outcome."
+            if plan.total_steps is None
+            else "Later intervals pay it back if they can; what the whole fit can reach is said once a probe window "
+            "has measured the full step."
         )
-    elif reachable is None:
-        outcome = "Later intervals pay it back if they can: the summary's `fit_speedup` is the outcome."
     elif reachable < plan.speedup * (1 - MET_WITHIN):
         outcome = (
             f"With the cheapest selection at every step left, this fit reaches at most {at_most(reachable)}x: the "

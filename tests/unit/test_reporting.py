@@ -242,8 +242,9 @@ def test_starved_warning_gives_the_target_the_cheapest_step_and_what_the_whole_f
     model = StepTimeModel(t_dw=(0.01, 0.01), t_dy=(0.01, 0.01), t_fixed=0.02)  # cheapest: the last tensor, 30 ms
     decision = Decision(Mask.of([False, True]), (1.0, 2.0), predicted_seconds=0.03, target_seconds=0.025, starved=True)
     terms = StepTerms(model, 0.05, 0.0, 0.025)
+    none_ahead = Schedule(interval=1000, unit="step", probe_steps=2, total_steps=100)  # no window after step 12
     plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5, full_samples=2)
-    text = starved_warning(12, decision, terms, plan, [False, False], [False, False])
+    text = starved_warning(12, decision, terms, plan, none_ahead, [False, False], [False, False])
     # the whole fit at the cheapest step from here: 100 x 50 ms of full fine-tuning in 1.5 s + 88 x 30 ms = 4.14 s
     assert text == (
         "ElasticTensorSelection: at step 12 the plan leaves 25.0 ms a step (full step 50.0 ms, 1.5 s spent of 2.5 s "
@@ -253,27 +254,28 @@ def test_starved_warning_gives_the_target_the_cheapest_step_and_what_the_whole_f
     )
     # two probe steps ahead at the full step, and a plan that has learnt its steps measure 10% over the model
     plan.correction = 1.1
-    text = starved_warning(12, decision, terms, plan, [False, False], [False, False], 2)
+    two_ahead = Schedule(interval=50, unit="step", probe_steps=2, total_steps=100)  # steps 48 and 49
+    text = starved_warning(12, decision, terms, plan, two_ahead, [False, False], [False, False])
     assert f"reaches at most {at_most(5.0 / (1.5 + 2 * 0.05 + 86 * 0.033))}x:" in text
     # within the share the summary counts as met (3%): said so, not out of reach (3x asked; 100 full steps of 100 ms
     # in 0.73 s + 88 x 30 ms: 2.967x)
     edge = WallClockPlan(speedup=3.0, total_steps=100, full_step=0.1, spent=0.73, full_samples=2)
-    text = starved_warning(12, decision, terms, edge, [False, False], [False, False])
+    text = starved_warning(12, decision, terms, edge, none_ahead, [False, False], [False, False])
     assert text.endswith(
         "this fit reaches at most 2.96x: within the 3% of the asked that the summary counts as met, with nothing to "
         "spare."
     ), text
     # a fit that has time in hand: the interval's overspend is paid back later
     ahead = WallClockPlan(speedup=1.5, total_steps=100, full_step=0.05, spent=0.2, full_samples=2)
-    text = starved_warning(12, decision, terms, ahead, [False, False], [False, False])
+    text = starved_warning(12, decision, terms, ahead, none_ahead, [False, False], [False, False])
     assert text.endswith(f"Later intervals can pay it back: at the cheapest selection this fit reaches {at_most(5.0 / 2.84)}x.")
     # `T` not measured yet (the profile's): no figure, it comes with a later warning
     unmeasured = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5)
-    text = starved_warning(12, decision, terms, unmeasured, [False, False], [False, False])
+    text = starved_warning(12, decision, terms, unmeasured, none_ahead, [False, False], [False, False])
     assert text.endswith("what the whole fit can reach is said once a probe window has measured the full step.")
     # a fit of unknown length: no whole-fit figure
     endless = WallClockPlan(speedup=2.0, total_steps=None, full_step=0.05, spent=1.5, full_samples=2)
-    text = starved_warning(12, decision, terms, endless, [False, False], [False, False])
+    text = starved_warning(12, decision, terms, endless, none_ahead, [False, False], [False, False])
     assert text.endswith("Later intervals pay it back if they can: the summary's `fit_speedup` is the outcome.")
 
 
