@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from lightning_elastic.errors import SpeedupOutOfReach
+from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.time_model import StepTimeModel
 
@@ -31,6 +32,8 @@ NARROW_ROOM = 0.05
 def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, floor: float) -> float:
     """The largest whole-fit speedup: every probe step at full cost, every other step at the cheapest selection.
 
+    The fit's account (`WallClockPlan.reachable`) in units of a full step, before its first step.
+
     Args:
         total_steps: optimizer steps of the fit `N`.
         probe_steps: how many of them lie in probe windows.
@@ -41,7 +44,10 @@ def reachable_speedup(total_steps: int, probe_steps: int, sunk_steps: float, flo
         >>> reachable_speedup(total_steps=100, probe_steps=10, sunk_steps=5.0, floor=0.3)
         2.380952380952381
     """
-    return total_steps / (sunk_steps + probe_steps + (total_steps - probe_steps) * floor)
+    plan = WallClockPlan(speedup=1.0, total_steps=total_steps, full_step=1.0, spent=sunk_steps)
+    limit = plan.reachable(0, probe_steps, floor)
+    assert limit is not None  # the fit's length is known
+    return limit
 
 
 def at_most(limit: float) -> str:
