@@ -59,6 +59,14 @@ class Schedule:
     total_steps: float = math.inf
     first_probe_steps: int = 0
 
+    def __post_init__(self) -> None:
+        lengths = self._epoch_lengths()
+        if lengths is not None and (not lengths or min(lengths) < 1):
+            raise ValueError(
+                f"`steps_per_epoch` must be a positive number of optimizer steps (or a tuple of them, the last "
+                f"repeating). Found: {self.steps_per_epoch!r}"
+            )
+
     @property
     def first_steps(self) -> int:
         """Length of the first probe window as asked (before it runs on, see `first_window_end`)."""
@@ -154,7 +162,10 @@ class Schedule:
         """How many selections after the first come into force at or before optimizer step `step`."""
         if self.unit == "step":
             return step // self.interval
-        return sum(1 for _ in itertools.takewhile(lambda s: s <= step, self._selections_after(0)))
+        if step < 0 or self._epoch_lengths() is None:
+            return 0
+        # the selection epochs (multiples of `interval`) that start at or before `step`, less any that start at 0
+        return self._epoch_at(step) // self.interval - self._epoch_at(0) // self.interval
 
     def _epoch_lengths(self) -> tuple[int, ...] | None:
         """Optimizer steps of each epoch (the last repeating), or None when unknown."""
@@ -167,6 +178,26 @@ class Schedule:
         assert lengths is not None
         return lengths[min(epoch, len(lengths) - 1)]
 
+    def _epoch_start(self, epoch: int) -> int:
+        """The optimizer step at which `epoch` starts (epoch lengths known), in closed form: a fit of Lightning's
+        default 1000 epochs is planned at every selection, and walking its epochs each time cost 0.2 s a selection."""
+        lengths = self._epoch_lengths()
+        assert lengths is not None
+        if epoch <= len(lengths):
+            return sum(lengths[:epoch])
+        return sum(lengths) + (epoch - len(lengths)) * lengths[-1]
+
+    def _epoch_at(self, step: int) -> int:
+        """The last epoch that starts at or before optimizer step `step` >= 0 (epoch lengths known), in closed form."""
+        lengths = self._epoch_lengths()
+        assert lengths is not None
+        start = 0
+        for epoch, length in enumerate(lengths[:-1]):
+            if start + length > step:
+                return epoch
+            start += length
+        return len(lengths) - 1 + (step - start) // lengths[-1]
+
     def _selections_after(self, step: int) -> Iterator[int]:
         """The steps of the selections after the first that come after `step`, in order (none if unknown)."""
         if self.unit == "step":
@@ -174,8 +205,8 @@ class Schedule:
             return
         if self._epoch_lengths() is None:
             return
-        start = 0
-        for epoch in itertools.count():
-            if epoch and epoch % self.interval == 0 and start > step:
-                yield start
-            start += self._epoch_length(epoch)
+        first = 0 if step < 0 else self._epoch_at(step) + 1  # the first epoch that starts after `step`
+        epoch = max(self.interval, -(-first // self.interval) * self.interval)
+        while True:
+            yield self._epoch_start(epoch)
+            epoch += self.interval

@@ -1,4 +1,6 @@
+import itertools
 import math
+import random
 
 import pytest
 
@@ -55,3 +57,45 @@ def test_sparse_windows_and_their_count_match_the_definition(
     assert [s for s in range(200) if schedule.selects_at(s)] == unprobed
     for start, end in [(0, 200), (5, 77), (probe, 150), (33, 34)]:
         assert schedule.probe_steps_between(start, end) == sum(1 for s in found if start <= s < end), (start, end)
+
+
+def walked_selections(lengths: tuple[int, ...], interval: int, horizon: int) -> list[int]:
+    """The steps of the selections after the first, by walking the epochs one by one (the definition)."""
+    steps, start = [], 0
+    for epoch in range(horizon):
+        if epoch and epoch % interval == 0:
+            steps.append(start)
+        start += lengths[min(epoch, len(lengths) - 1)]
+    return steps
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_epoch_arithmetic_matches_walking_the_epochs(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = tuple(rng.randint(1, 7) for _ in range(rng.randint(1, 4)))
+    interval = rng.randint(1, 3)
+    period = Schedule(interval, "epoch", 1, lengths).period
+    probe = rng.randint(1, max(1, int(period) - 1))  # windows that fit between two selections, as planned
+    schedule = Schedule(interval, "epoch", probe, lengths, probe_every=rng.randint(1, 2), total_steps=150)
+    walked = walked_selections(lengths, interval, 200)
+    for step in range(-1, 120):
+        assert schedule.selections_until(step) == sum(s <= step for s in walked)
+        ahead = [s for s in walked if s > step][:3]
+        assert list(itertools.islice(schedule._selections_after(step), 3)) == ahead
+    # and what the callback asks: the probe steps of a whole fit, one window at a time
+    in_windows = sum(schedule.window_end(step) is not None for step in range(150))
+    assert schedule.probe_steps_between(0, 150) == in_windows
+
+
+def test_a_fit_of_lightnings_default_1000_epochs_is_planned_without_walking_them() -> None:
+    # each selection plans the whole fit: walking 1000 epochs for every selection's window took 0.2 s a selection
+    schedule = Schedule(1, "epoch", 2, (8,), total_steps=8000)
+    assert schedule.selections_until(7999) == 999 and schedule.selections == 1000
+    assert schedule.probe_steps_between(0, 8000) == 2 * 1000
+    assert next(schedule._selections_after(7990)) == 7992  # epoch 999 starts at 999 x 8
+
+
+@pytest.mark.parametrize("lengths", [0, (), (3, 0)])
+def test_epochs_without_optimizer_steps_are_refused(lengths: int | tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"`steps_per_epoch` must be a positive number .* Found: "):
+        Schedule(1, "epoch", 2, lengths)
