@@ -257,8 +257,13 @@ class ElasticTensorSelection(Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._first is not None:
             self._first.timer.start()
-        if (fit := self._fit) is None:
-            return
+        if self._fit is not None:
+            self._epoch_starts(trainer, pl_module, self._fit)
+
+    def _epoch_starts(self, trainer: L.Trainer, pl_module: L.LightningModule, fit: FitSession) -> None:
+        """A selection or window due as an epoch starts; also for the epoch a resumed fit starts at, which Lightning
+        begins with no `on_train_epoch_start` (a checkpoint of an epoch's last step, with a selection pending)."""
+        fit.epoch_started = trainer.current_epoch
         fit.check_trainable()
         fit.clock.step.start()
         step = trainer.global_step
@@ -277,6 +282,8 @@ class ElasticTensorSelection(Callback):
             self._first.batch_start(pl_module, batch)
         if (fit := self._fit) is None:
             return
+        if batch_idx == 0 and fit.epoch_started != trainer.current_epoch:  # resumed at the epoch's start
+            self._epoch_starts(trainer, pl_module, fit)
         fit.check_trainable()
         fit.step_at_batch_start = step = trainer.global_step
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0

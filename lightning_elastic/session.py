@@ -85,6 +85,7 @@ class FitSession:
     forwards: list[float] = field(default_factory=list)  # the latest steady steps' forward passes (`pace.pace_of`)
     selected_steps: list[float] = field(default_factory=list)
     step_at_batch_start: int = -1
+    epoch_started: int = -1  # the last epoch whose start the callback saw (a resumed fit's first gets no hook)
     shown: dict[str, float] = field(default_factory=dict)  # what the progress bar shows (`reporting.progress_metrics`)
     warned_starved: int = 0  # 0: not warned; 1: warned before `T` was measured; 2: after (`say_starved`)
     warned_nonfinite: bool = False

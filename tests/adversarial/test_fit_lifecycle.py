@@ -59,6 +59,33 @@ def test_resume_mid_interval_keeps_the_mask_in_force(tmp_path: Path) -> None:
     assert reference_recorder.trainable[:10] == crashed_recorder.trainable[:10]
 
 
+def test_a_resume_from_an_epochs_last_step_makes_the_selection_that_waited_for_the_next_epoch(tmp_path: Path) -> None:
+    """A checkpoint of an epoch's last step (`every_n_train_steps` a multiple of the epoch) holds a probe window
+    closed with its selection pending for the next epoch's start. Lightning begins that epoch in the resumed fit with
+    no `on_train_epoch_start`: the selection must still come at its first step, not a whole epoch of every tensor."""
+
+    def run(callbacks: list[Callback], **kwargs: Any) -> ElasticTensorSelection:
+        callback = elastic(speedup=2.0, interval=1, interval_unit="epoch", probe_steps=2)
+        torch.manual_seed(0)
+        checkpoints = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+        tiny_trainer(callbacks=[callback, *callbacks], max_epochs=4, enable_checkpointing=checkpoints).fit(
+            TinyNet(), tiny_data(), **kwargs
+        )
+        return callback
+
+    reference, recorded = run([Recorder()]), Recorder()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run([ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1), Crash(at_step=20)])
+    ckpt = tmp_path / "epoch=1-step=16.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert next(v for k, v in saved.items() if "ElasticTensorSelection" in k)["pending_selection"]
+    resumed = run([recorded], ckpt_path=ckpt)
+    assert [r.step for r in resumed.history] == [r.step for r in reference.history] == [2, 8, 16, 24]
+    assert resumed.history[2].mask == reference.history[2].mask  # decided on what the checkpoint kept
+    trained = recorded.trainable[recorded.steps.index(16) : recorded.steps.index(22)]  # before the next window
+    assert set(trained) == {tuple(resumed.history[2].mask)} and not all(trained[0])
+
+
 class BatchNormModes(Callback):
     """Per optimizer step: whether the BatchNorm layer `net.1` is in train mode, and whether its weight trains."""
 
