@@ -279,7 +279,7 @@ class ElasticTensorSelection(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._first is not None:
-            self._first.batch_start(pl_module, batch)
+            self._first.batch_start(pl_module, batch, batch_idx)
         if (fit := self._fit) is None:
             return
         if batch_idx == 0 and fit.epoch_started != trainer.current_epoch:  # resumed at the epoch's start

@@ -159,8 +159,9 @@ def measure_profile(
     signature = None
     if first is not None and _shapes(first.batch) == _shapes(batch):
         batch, signature = first.batch, first.signature
+    batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
     phases = PhaseLines()
-    with training_step(trainer, pl_module, batch) as compute_loss:
+    with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
         profiled = profile(
             pl_module,
             compute_loss,
@@ -211,6 +212,7 @@ class FirstStep:
         self.timer = StepTimer(device, clock)
         self.setup_seconds = setup_seconds  # what the callback spent as training started, charged with profiling
         self.batch: Any = None
+        self.batch_idx = 0  # of `batch` in its epoch: `training_step` may branch on it (skip batch 0, say)
         self.signature: dict[str, Any] | None = None
         self._recorder: StepSignature | None = None
         self._module: L.LightningModule | None = None
@@ -224,7 +226,7 @@ class FirstStep:
         )
         return isinstance(trainer.strategy, SingleDeviceStrategy) and not is_compiled(pl_module) and not stateless
 
-    def batch_start(self, pl_module: L.LightningModule, batch: Any) -> None:
+    def batch_start(self, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         """A step's first micro-batch starts: record it (until one step has recorded a whole signature).
 
         The loss's graph is taken from what `training_step` returns, as the profiler's own pass takes it, not from
@@ -232,7 +234,7 @@ class FirstStep:
         """
         if self.signature is not None or self._recorder is not None:
             return
-        self.batch, self._module = batch, pl_module
+        self.batch, self.batch_idx, self._module = batch, batch_idx, pl_module
         recorder = self._recorder = StepSignature(pl_module)
         self._own_step = vars(pl_module).get("training_step")
         step = pl_module.training_step
@@ -280,10 +282,10 @@ class PhaseLines:
 
 @contextmanager
 def training_step(
-    trainer: L.Trainer, pl_module: L.LightningModule, batch: Any = None
+    trainer: L.Trainer, pl_module: L.LightningModule, batch: Any = None, batch_idx: int = 0
 ) -> Iterator[Callable[[], Tensor]]:
-    """The loss of the real training step on `batch` (default: the first batch) as a callable, with logging muted
-    and no DDP sync."""
+    """The loss of the real training step on `batch` (default: the first batch) at `batch_idx` as a callable, with
+    logging muted and no DDP sync."""
     batch = _first_batch(trainer) if batch is None else batch
     with _muted(pl_module), _block_parallel_sync_behavior(trainer.strategy, block=True):
 
@@ -292,7 +294,7 @@ def training_step(
             # the hooks see every op and autograd node, and profiling compiles no graph. `torch.compiler.disable`
             # would not do: a compiled submodule called inside it still compiles.
             with torch.compiler.set_stance("force_eager"), trainer.precision_plugin.train_step_context():
-                return _loss_of(pl_module.training_step(batch, 0))
+                return _loss_of(pl_module.training_step(batch, batch_idx), batch_idx)
 
         yield compute_loss
 
@@ -303,13 +305,14 @@ def _loss_in(output: Any) -> Tensor | None:
     return loss if isinstance(loss, Tensor) else None
 
 
-def _loss_of(output: Any) -> Tensor:
+def _loss_of(output: Any, batch_idx: int) -> Tensor:
     """The loss a `training_step` returned, which profiling needs."""
     loss = _loss_in(output)
     if loss is None:
         raise ElasticConfigError(
             "`ElasticTensorSelection` profiles the real training step, so `training_step` must return the loss "
-            f"(a tensor or a dict with 'loss'). Found: {type(output).__name__}"
+            f"(a tensor or a dict with 'loss') on the batch it profiles (batch_idx {batch_idx}). Found: "
+            f"{type(output).__name__}"
         )
     return loss
 

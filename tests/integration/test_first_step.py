@@ -202,6 +202,19 @@ def test_a_first_step_that_skips_its_backward_pass_leaves_profiling_to_the_next(
     assert callback._fit is not None and len(callback.history) >= 1
 
 
+def test_a_training_step_that_skips_batch_0_is_profiled_on_the_branch_its_first_step_took() -> None:
+    class SkipsBatch0(Counted):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+            loss = super().training_step(batch, batch_idx)
+            return None if batch_idx == 0 else loss
+
+    callback, module = elastic(False), SkipsBatch0()
+    tiny_trainer(callbacks=[callback], max_steps=6).fit(module, tiny_data())
+    assert callback.timing_profile is not None and len(callback.history) >= 1
+    profiled = module.called[1 : module.called.index(2)]  # the first step's (batch 1) and the profiler's calls
+    assert len(profiled) > 1 and set(profiled) == {1}
+
+
 NEVER = ("net.0.weight", "net.0.bias")
 USER_FROZEN = "net.6.bias"
 
