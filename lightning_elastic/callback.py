@@ -126,7 +126,7 @@ class ElasticTensorSelection(Callback):
         self._profile: TimingProfile | None = None  # carries from fit to fit on purpose (same model: no re-profiling)
         self._fit: FitSession | None = None
         self._first: FirstStep | None = None  # the fit's first step, while it is still to provide the profile
-        self._schedule: tuple[Schedule | None, int | None] = (None, None)
+        self._schedule: tuple[Schedule | None, int | None, int] = (None, None, 0)  # and the step the fit counts from
         self._user = UserState()  # what the user had before the fit froze `train_never` (given back at its end)
         self._restored: dict[str, Any] | None = None
 
@@ -180,8 +180,11 @@ class ElasticTensorSelection(Callback):
         self._fit, self._first, self._user = None, None, UserState()  # each fit starts clean
         settings = self._settings
         unit, probe_steps = settings.interval_unit, settings.probe_steps
-        self._schedule = fit_schedule(trainer, settings.interval, unit, probe_steps, settings.speedup)
-        if self._schedule[0] is None:
+        # a fit counts its steps from where it starts (`Trainer.fit` again to train longer), a resumed one as it did
+        origin = int(self._restored.get("origin", 0)) if self._restored else trainer.global_step
+        schedule, total = fit_schedule(trainer, settings.interval, unit, probe_steps, settings.speedup, origin)
+        self._schedule = (schedule, total, origin)
+        if schedule is None:
             return
         started = settings.clock()
         self._user = freeze_never(pl_module, settings.train_always, settings.train_never, settings.bn_policy)  # first
@@ -231,12 +234,12 @@ class ElasticTensorSelection(Callback):
         """
         settings = self._settings
         started = settings.clock()
-        schedule, total_steps = self._schedule
+        schedule, total_steps, origin = self._schedule
         assert schedule is not None
         self._profile = prof
         step = step_profile(trainer, prof)  # an optimizer step runs the pass on every micro-batch
         plan = WallClockPlan(settings.speedup, total_steps, full_step=step.t_full)
-        fit = FitSession.start(pl_module, step, schedule, plan, settings)
+        fit = FitSession.start(pl_module, step, schedule, plan, settings, origin)
         self._fit = fit
         fit.warmup.profiled(timed, prof.method)
         limit = fit.reach(profile_seconds, settings.calibrate)
@@ -266,7 +269,7 @@ class ElasticTensorSelection(Callback):
         fit.epoch_started = trainer.current_epoch
         fit.check_trainable()
         fit.clock.step.start()
-        step = trainer.global_step
+        step = fit.step_of(trainer)
         if fit.pending_selection or (self._settings.interval_unit == "epoch" and fit.schedule.selects_at(step)):
             self._select_and_apply(trainer, pl_module)
         elif fit.schedule.opens_at_epoch_start(trainer.current_epoch) and fit.probe_end is None:
@@ -285,7 +288,7 @@ class ElasticTensorSelection(Callback):
         if batch_idx == 0 and fit.epoch_started != trainer.current_epoch:  # resumed at the epoch's start
             self._epoch_starts(trainer, pl_module, fit)
         fit.check_trainable()
-        fit.step_at_batch_start = step = trainer.global_step
+        fit.step_at_batch_start = step = fit.step_of(trainer)
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0
         if first_of_step:
             fit.clock.loop.stop()  # the wait for this step's batch ends
@@ -323,7 +326,7 @@ class ElasticTensorSelection(Callback):
     ) -> None:
         if self._first is not None:
             self._first.close()  # a step that ran no backward pass records again next time
-        if (fit := self._fit) is None or trainer.global_step == fit.step_at_batch_start:
+        if (fit := self._fit) is None or fit.step_of(trainer) == fit.step_at_batch_start:
             return  # off, or accumulating gradients: the optimizer step is still to come
         fit.after_optimizer_step()
         if (due := fit.selection_due(trainer)) is not None:  # a window closed, an interval began, or off the plan
@@ -364,12 +367,12 @@ class ElasticTensorSelection(Callback):
         target, resolution = terms.target, self._settings.resolution
         decision = decide(terms.model, importance, target, required=pins[0], forbidden=pins[1], resolution=resolution)
         if fit.say_starved(decision):
-            step, plan = trainer.global_step, fit.plan
+            step, plan = fit.step_of(trainer), fit.plan
             rank_zero_warn(reporting.starved_warning(step, decision, terms, plan, fit.schedule, *pins))
         select_seconds = self._settings.clock() - started
         fit.apply(pl_module, decision.mask)
         apply_seconds = self._settings.clock() - started - select_seconds
-        record = SelectionRecord(trainer.global_step, trainer.current_epoch, decision, terms.full, replanned=replanned)
+        record = SelectionRecord(fit.step_of(trainer), trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
         image = self.selection_map if self._settings.log_images else lambda: None  # 6. inspect
         seconds = (select_seconds, terms.optimizer, terms.loop)

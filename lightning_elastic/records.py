@@ -96,7 +96,8 @@ class SelectionRecord:
     """One re-selection: when it happened, what it decided, and the steps it then took.
 
     Attributes:
-        step: the global optimizer step at which the selection came into force.
+        step: the optimizer step at which the selection came into force, counted from the fit's start (the global step
+            in a fit from step 0; `Trainer.fit` called again to train longer counts from where it started).
         epoch: the epoch it came into force in.
         decision: the decision.
         full_seconds: the full training step's seconds that the decision was made against.

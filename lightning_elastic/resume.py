@@ -23,6 +23,7 @@ __all__ = ["fit_state", "restore"]
 def fit_state(fit: FitSession) -> dict[str, Any]:
     """What a checkpoint keeps of `fit`: plain data (lists, dicts, numbers), read back by `restore`."""
     return {
+        "origin": fit.origin,  # read as the resumed fit starts (its schedule counts from it)
         "mask": None if fit.mask is None else list(fit.mask),
         "probe_end": fit.probe_end,
         "ran_on": fit.warmup.ran_on,

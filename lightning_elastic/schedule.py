@@ -210,3 +210,29 @@ class Schedule:
         while True:
             yield self._epoch_start(epoch)
             epoch += self.interval
+
+
+def counted_from(
+    steps_per_epoch: float | tuple[int, ...], total_steps: int | None, origin: int
+) -> tuple[float | tuple[int, ...], int | None]:
+    """The epochs and the length of a fit counted from global optimizer step `origin`: what is left of the epoch it
+    lies in, then the epochs after it (the last repeating); the fit's steps less `origin`. A fit that does not start
+    at step 0 (`Trainer.fit` called again to train longer, or `ckpt_path` of a fit without the callback) plans,
+    probes and selects over its own steps, as a fit from step 0 does.
+
+    Example:
+        >>> counted_from((8,), 32, origin=16)  # two epochs done of four
+        ((8,), 16)
+        >>> counted_from((8, 4), 40, origin=11)  # 3 steps into the second epoch; epochs of 4 steps after it
+        ((1, 4), 29)
+        >>> counted_from(math.inf, None, origin=5)
+        (inf, None)
+    """
+    total = None if total_steps is None else max(total_steps - origin, 0)
+    if origin <= 0 or not isinstance(steps_per_epoch, tuple):
+        return steps_per_epoch, total
+    shape = Schedule(1, "epoch", 1, steps_per_epoch)
+    epoch = shape._epoch_at(origin)
+    ahead = steps_per_epoch[min(epoch, len(steps_per_epoch) - 1) :]
+    left = shape._epoch_start(epoch + 1) - origin  # of the epoch `origin` lies in: at least 1
+    return (left, *ahead[1:]) if left == ahead[0] or len(ahead) > 1 else (left, ahead[0]), total

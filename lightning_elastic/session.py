@@ -96,6 +96,7 @@ class FitSession:
     compiled_codes: CompiledCodes = field(default_factory=CompiledCodes)  # what this fit compiled, reset at changes
     warmup: FirstWindow = field(default_factory=FirstWindow)  # the process's warm-up, as the first window saw it
     outside: dict[str, nn.Parameter] = field(default_factory=dict)  # frozen as the fit started, not in the profile
+    origin: int = 0  # the global optimizer step this fit counts its steps from (`step_of`)
 
     @classmethod
     def start(
@@ -105,10 +106,11 @@ class FitSession:
         schedule: Schedule,
         plan: WallClockPlan,
         settings: Settings,
+        origin: int = 0,
     ) -> FitSession:
         """Bind the profile's tensors of `pl_module` and the `train_always` pins of `settings`, as training starts.
         `prof` is the profile of one optimizer step: with gradient accumulation, the profiled pass scaled to the step's
-        micro-batches.
+        micro-batches. `origin`: the global step the fit counts from (`step_of`).
 
         The `train_never` tensors are frozen by then (`freezing.freeze_never`, which keeps what the user had, to give
         back): like the tensors the user froze, they do not require grad, so no selection trains them.
@@ -133,7 +135,13 @@ class FitSession:
             compiled=is_compiled(pl_module),
             warmup=FirstWindow(warm_step=prof.t_step),
             outside=outside,
+            origin=origin,
         )
+
+    def step_of(self, trainer: L.Trainer) -> int:
+        """The Trainer's optimizer step counted from this fit's `origin`: the step the schedule, the plan and the
+        selection records count in (the global step in a fit from step 0, as most are)."""
+        return trainer.global_step - self.origin
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -167,7 +175,7 @@ class FitSession:
         update, with any earlier steps whose `training_step` returned None, and open the probe window it lies in
         (a window from here if those steps used up the first), so that its update measures importance. Being the
         first step of the process, it is a warm-up step: charged, never a sample of `T`."""
-        step = trainer.global_step
+        step = self.step_of(trainer)
         self.plan.spend(seconds, steps=step)  # steps skipped before it; this one counts when it ends
         self.totals["warmup_seconds"] += seconds
         self.step_at_batch_start = step
@@ -222,7 +230,7 @@ class FitSession:
         """After an optimizer step: whether a selection is due now, and why. A probe window ended (unless it runs on,
         `runs_on`, or its selection waits for the epoch's start, `end_window`), a step interval began, or the
         selection in force runs off the plan (`terms.off_plan`, with `calibrate`)."""
-        step = trainer.global_step
+        step = self.step_of(trainer)
         if self.probe_end is not None and step >= self.probe_end:
             return "window" if not self.runs_on(trainer, step) and self.end_window(trainer) else None
         if self.settings.interval_unit == "step" and self.schedule.selects_at(step):

@@ -23,7 +23,7 @@ from lightning_elastic.distributed import prepare_strategy
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
-from lightning_elastic.schedule import IntervalUnit, Schedule
+from lightning_elastic.schedule import IntervalUnit, Schedule, counted_from
 from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
 
 C = TypeVar("C", bound=Callback)
@@ -96,14 +96,20 @@ def check_dense(pl_module: L.LightningModule, names: Sequence[str], forbidden: S
 
 
 def fit_schedule(
-    trainer: L.Trainer, interval: int, unit: IntervalUnit, probe_steps: int | Literal["auto"], speedup: float
+    trainer: L.Trainer,
+    interval: int,
+    unit: IntervalUnit,
+    probe_steps: int | Literal["auto"],
+    speedup: float,
+    origin: int = 0,
 ) -> tuple[Schedule | None, int | None]:
-    """This fit's schedule (None: off under a `fast_dev_run` too short for it) and its optimizer steps (None: unknown).
+    """This fit's schedule (None: off under a `fast_dev_run` too short for it) and its optimizer steps (None: unknown),
+    both counted from global optimizer step `origin`, where the fit started (`schedule.counted_from`).
 
     Raises:
         ElasticConfigError: when probe windows do not fit between two selections.
     """
-    lengths, total = epoch_lengths(trainer)
+    lengths, total = counted_from(*epoch_lengths(trainer), origin)
     schedule = plan_schedule(interval, unit, probe_steps, speedup, lengths, total)
     if isinstance(schedule, ScheduleRefusal):
         if not getattr(trainer, "fast_dev_run", False):  # set by the Trainer; not in its type stubs

@@ -37,7 +37,7 @@ def step_terms(fit: FitSession, trainer: L.Trainer, calibrate: bool) -> StepTerm
     prof = fit.profile
     if not calibrate:
         return StepTerms(StepTimeModel.from_profile(prof), prof.t_full, 0.0, prof.t_full / fit.plan.speedup)
-    figures = [*_local_figures(fit), _local_target(fit, trainer.global_step)]
+    figures = [*_local_figures(fit), _local_target(fit, fit.step_of(trainer))]
     full, optimizer, loop, target = mean_over_ranks(trainer, figures, fit.params[0].device)  # one collective
     return StepTerms(StepTimeModel.calibrated(prof, full, optimizer, loop), full, optimizer, target, loop)
 
@@ -75,7 +75,7 @@ def off_plan(fit: FitSession, trainer: L.Trainer) -> bool:
         return False
     if all(r.replanned for r in fit.history[-REPLANS:]) and len(fit.history) >= REPLANS:
         return False
-    if fit.schedule.steps_to_next_change(trainer.global_step) < 2 * REPLAN_AFTER:
+    if fit.schedule.steps_to_next_change(fit.step_of(trainer)) < 2 * REPLAN_AFTER:
         return False
     decision = fit.history[-1].decision
     local = statistics.median(fit.selected_steps) / fit.plan.expected(decision.predicted_seconds)

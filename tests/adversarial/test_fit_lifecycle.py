@@ -86,6 +86,63 @@ def test_a_resume_from_an_epochs_last_step_makes_the_selection_that_waited_for_t
     assert set(trained) == {tuple(resumed.history[2].mask)} and not all(trained[0])
 
 
+def continued(**kwargs: Any) -> ElasticTensorSelection:
+    return elastic(speedup=2.0, interval=1, interval_unit="epoch", probe_steps=1, **kwargs)
+
+
+def test_a_fit_called_again_to_train_longer_plans_probes_and_selects_over_its_own_steps() -> None:
+    """`Trainer.fit` again on the same Trainer goes on from step 16: its first step opens a probe window and its plan
+    counts the 16 steps it runs, as a fresh fit of that length does (before: its first epoch trained every tensor
+    outside any window, planned for 32 steps)."""
+    fresh = continued()
+    fit([fresh], max_epochs=2)
+    callback, recorder, module = continued(), Recorder(), TinyNet()
+    trainer = tiny_trainer(callbacks=[callback, recorder], max_epochs=2)
+    trainer.fit(module, tiny_data())
+    recorder.trainable.clear()
+    trainer.fit_loop.max_epochs = 4
+    trainer.fit(module, tiny_data())
+    assert trainer.global_step == 32 and callback._fit is not None and callback._fit.origin == 16
+    assert callback._fit.plan.total_steps == 16 and callback.report().steps == 16
+    assert [r.step for r in callback.history] == [r.step for r in fresh.history] == [1, 8]
+    assert all(recorder.trainable[0]) and callback.report().probe_steps == 2  # step 16, and the window before 24
+    assert recorder.trainable[1:7] == [tuple(callback.history[0].mask)] * 6
+
+
+def test_a_checkpoint_of_a_fit_without_the_callback_is_resumed_as_a_fit_from_its_step(tmp_path: Path) -> None:
+    plain = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=12, save_top_k=-1)
+    tiny_trainer(callbacks=[plain], max_epochs=2, enable_checkpointing=True).fit(TinyNet(), tiny_data())
+    callback, recorder = continued(), Recorder()
+    ckpt = tmp_path / "epoch=1-step=12.ckpt"  # 4 steps into the second epoch
+    tiny_trainer(callbacks=[callback, recorder], max_epochs=4).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
+    assert callback._fit is not None and callback._fit.plan.total_steps == 20
+    assert callback._fit.schedule.steps_per_epoch == (4, 8)  # what was left of the epoch, then whole epochs
+    assert [r.step for r in callback.history] == [1, 4, 12]  # after the first window, then at each epoch's start
+    assert all(recorder.trainable[0]) and not all(recorder.trainable[1])
+
+
+def test_a_fit_trained_longer_and_resumed_counts_from_where_it_started(tmp_path: Path) -> None:
+    def longer(callbacks: list[Callback], ckpt: Path | None = None) -> ElasticTensorSelection:
+        callback, module = continued(), TinyNet()
+        checkpoints = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+        trainer = tiny_trainer(callbacks=[callback, *callbacks], max_epochs=2, enable_checkpointing=checkpoints)
+        trainer.fit(module, tiny_data())
+        trainer.fit_loop.max_epochs = 5
+        trainer.fit(module, tiny_data(), ckpt_path=ckpt)
+        return callback
+
+    uninterrupted = longer([])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        longer([ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1), Crash(at_step=30)])
+    ckpt = tmp_path / "epoch=3-step=28.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert next(v for k, v in saved.items() if "ElasticTensorSelection" in k)["origin"] == 16
+    resumed = continued()
+    tiny_trainer(callbacks=[resumed], max_epochs=5).fit(TinyNet(), tiny_data(), ckpt_path=ckpt)
+    assert resumed._fit is not None and resumed._fit.origin == 16 and resumed._fit.plan.total_steps == 24
+    assert [r.step for r in resumed.history] == [r.step for r in uninterrupted.history] == [1, 8, 16]
+
+
 class BatchNormModes(Callback):
     """Per optimizer step: whether the BatchNorm layer `net.1` is in train mode, and whether its weight trains."""
 
