@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +18,10 @@ class ModelState:
     statistics; values and which tensor objects they are), train/eval modes, and every other attribute of every
     submodule: state that user code keeps in plain attributes, e.g. an RNN's ``self.hidden = ...`` set in
     ``forward``, gets its original object back, attributes added during profiling are removed, and plain tensor
-    attributes updated in place get their values back.
+    attributes updated in place get their values back, as do lists, dicts and sets appended to in place (their
+    items, one level deep): the outputs a `training_step` collects for `on_train_epoch_end`, and the list states of a
+    torchmetrics metric (`MulticlassAUROC(thresholds=None)` keeps every batch's predictions), which the profiler's
+    calls of the step would otherwise leave holding its extra batches.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -35,6 +39,12 @@ class ModelState:
             for value in saved.values()
             if isinstance(value, Tensor) and not isinstance(value, nn.Parameter)
         ]
+        self._contents = [
+            (value, copy.copy(value))
+            for _, saved in self._attributes
+            for value in saved.values()
+            if isinstance(value, (list, dict, set))
+        ]
         self._modes = [(module, module.training) for module in model.modules()]
 
     def restore(self) -> None:
@@ -44,6 +54,12 @@ class ModelState:
             for key in [key for key in current if key not in saved]:
                 del current[key]
             current.update(saved)
+        for container, items in self._contents:
+            if isinstance(container, list):
+                container[:] = items
+            else:
+                container.clear()
+                container.update(items)
         for module, buffers in self._buffer_sets:
             module._buffers.clear()
             module._buffers.update(buffers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -16,6 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAUROC
 
 from lightning_elastic import ElasticTensorSelection, warmup, windows
 from lightning_elastic.errors import ElasticConfigError
@@ -36,12 +38,18 @@ class Counted(TinyNet):
         super().__init__()
         torch.manual_seed(0)
         self.net.insert(3, nn.Dropout(0.2))
-        self.called: list[int] = []  # a list: profiling gives plain attributes their values back, not their contents
+        # the batch_idx of every call, the profiler's too: kept one level down, which profiling does not give back
+        # (it gives plain attributes their values, and lists, dicts and sets their items)
+        self.log_of_calls = SimpleNamespace(called=[])
         self.mean_loss = MeanMetric()
 
     @property
     def calls(self) -> int:
         return len(self.called)
+
+    @property
+    def called(self) -> list[int]:
+        return self.log_of_calls.called  # type: ignore[no-any-return]
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         self.called.append(batch_idx)
@@ -213,6 +221,35 @@ def test_a_training_step_that_skips_batch_0_is_profiled_on_the_branch_its_first_
     assert callback.timing_profile is not None and len(callback.history) >= 1
     profiled = module.called[1 : module.called.index(2)]  # the first step's (batch 1) and the profiler's calls
     assert len(profiled) > 1 and set(profiled) == {1}
+
+
+def test_what_training_step_collects_for_the_epochs_end_is_what_it_collects_without_the_callback() -> None:
+    """Profiling calls `training_step` again on the first step's batch: the outputs it appends to a list and the
+    list states of a metric (AUROC without thresholds keeps every batch) must not keep those calls' batches."""
+
+    class Collecting(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.outputs: list[Tensor] = []
+            self.auroc = MulticlassAUROC(num_classes=3, thresholds=None)
+            self.per_epoch: list[tuple[int, int]] = []
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            x, y = batch
+            logits = self(x)
+            self.outputs.append(logits.detach())
+            self.auroc.update(logits.softmax(-1), y)
+            return F.cross_entropy(logits, y)
+
+        def on_train_epoch_end(self) -> None:
+            self.per_epoch.append((len(self.outputs), sum(len(p) for p in self.auroc.preds)))
+            self.outputs.clear()
+            self.auroc.reset()
+
+    plain, collecting = Collecting(), Collecting()
+    tiny_trainer(max_epochs=2).fit(plain, tiny_data())
+    tiny_trainer(callbacks=[elastic(False, time_model="measured")], max_epochs=2).fit(collecting, tiny_data())
+    assert collecting.per_epoch == plain.per_epoch == [(8, 256), (8, 256)]
 
 
 NEVER = ("net.0.weight", "net.0.bias")

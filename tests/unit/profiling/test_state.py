@@ -93,3 +93,36 @@ def test_profile_leaves_attributes_set_in_forward_as_found() -> None:
     assert net.calls == 1
     assert net.total is total and torch.equal(net.total, torch.ones(1))
     assert not hasattr(net, "last_input")
+
+
+class _Collecting(nn.Module):
+    """Collects what each call saw in a list, a dict and a set, as a `training_step` collects its outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.outputs: list[Tensor] = []
+        self.by_shape: dict[tuple[int, ...], int] = {}
+        self.seen: set[int] = set()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.layer(x)
+        self.outputs.append(out.detach())
+        self.by_shape[tuple(x.shape)] = self.by_shape.get(tuple(x.shape), 0) + 1
+        self.seen.add(len(self.outputs))
+        return out
+
+
+def test_profile_gives_lists_dicts_and_sets_appended_to_in_place_their_items_back() -> None:
+    torch.manual_seed(0)
+    net = _Collecting()
+    x = torch.randn(3, 4)
+    net(x)  # the fit's own step, before profiling
+    outputs, by_shape, seen = net.outputs, net.by_shape, net.seen
+    first = outputs[0]
+
+    profile(net, lambda: net(x).sum(), repeats=1)
+
+    assert net.outputs is outputs and len(outputs) == 1 and outputs[0] is first
+    assert net.by_shape is by_shape and by_shape == {(3, 4): 1}
+    assert net.seen is seen and seen == {1}
