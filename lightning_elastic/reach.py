@@ -75,6 +75,7 @@ class Reach:
         selected_share: the share of the fit's steps that are selected steps (the others are probe steps).
         own_steps: profiling and probe steps in full steps, the callback's own time as planned (`own_share`).
         total_steps: optimizer steps of the fit (None: not known, or no plan to keep).
+        cache_on: the fit keeps its profile in the cache (`cache_dir` not False), where a later fit reads it.
     """
 
     floor: float
@@ -86,6 +87,7 @@ class Reach:
     selected_share: float = 1.0
     own_steps: float = 0.0
     total_steps: int | None = None
+    cache_on: bool = True
 
     def own_share(self, speedup: float) -> float | None:
         """The callback's own time as planned (profiling, probe steps counted whole) against the fit planned at
@@ -137,8 +139,8 @@ class Reach:
             return (
                 f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.1f} full "
                 f"steps) of this fit's budget, so this fit reaches at most {at_most(self.this_fit)}x of the `speedup` "
-                f"{speedup!r} asked; without it (a later fit on this device that reads the profile from the cache) "
-                f"{at_most(self.reachable)}x."
+                f"{speedup!r} asked; without it (a later fit on this device that reads the profile from the cache"
+                f"{self._cache_off}) {at_most(self.reachable)}x."
             )
         if (room := self.room(speedup)) >= NARROW_ROOM:
             return None
@@ -148,8 +150,13 @@ class Reach:
             f"trains), {self.scope} and {self.profile_seconds:.1f} s of profiling: its selections can train little "
             f"more than the cheapest set, and accuracy may fall toward training that set alone. At most "
             f"{at_most(self.leaving(NARROW_ROOM))}x leaves {NARROW_ROOM:.0%}; a longer fit, or a later fit that reads "
-            "the profile from the cache (the default), leaves more."
+            f"the profile from the cache (the default{self._cache_off}), leaves more."
         )
+
+    @property
+    def _cache_off(self) -> str:
+        """What the warnings add when this fit keeps no profile for a later one to read."""
+        return "" if self.cache_on else "; `cache_dir=False` in this fit keeps none: leave it unset"
 
 
 def reach(

@@ -163,7 +163,7 @@ class FitSession:
             self.plan.speedup,
             lambda schedule: reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full),
         )
-        return limit
+        return replace(limit, cache_on=self.settings.cache_dir is not False)
 
     def charge_start(self, seconds: float) -> None:
         """Charge the callback's own seconds as the fit began (profiling and the plan's start) to the plan."""

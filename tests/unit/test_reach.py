@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -82,6 +83,13 @@ def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone
         f"ElasticTensorSelection: profiling took 14.0 s (2.0 full steps) of this fit's budget, so this fit reaches "
         f"at most {at_most(fit.this_fit)}x of the `speedup` {between!r} asked; without it (a later fit on this device "
         f"that reads the profile from the cache) {at_most(fit.reachable)}x."
+    )
+    # a fit that keeps no profile says so: the later fit it points to reads one only with the cache on
+    assert dataclasses.replace(fit, cache_on=False).check(between) == (
+        f"ElasticTensorSelection: profiling took 14.0 s (2.0 full steps) of this fit's budget, so this fit reaches "
+        f"at most {at_most(fit.this_fit)}x of the `speedup` {between!r} asked; without it (a later fit on this device "
+        f"that reads the profile from the cache; `cache_dir=False` in this fit keeps none: leave it unset) "
+        f"{at_most(fit.reachable)}x."
     )
     # a fraction of a step can tip a speedup at the edge: said as such (it read "1 full steps" for 0.6)
     small = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=4.2, full_step=7.0)
