@@ -21,7 +21,6 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from torchmetrics import Metric
 
 from lightning_elastic import windows
 from lightning_elastic.distributed import any_rank
@@ -348,18 +347,14 @@ def _first_batch(trainer: L.Trainer) -> Any:
 
 @contextmanager
 def _muted(pl_module: L.LightningModule) -> Iterator[None]:
-    """Run the training step for profiling without logging, and leave its metrics as they were."""
-    metrics = [m for m in pl_module.modules() if isinstance(m, Metric)]
-    counts = [m.update_count for m in metrics]
+    """Run the training step for profiling without logging. Its metrics get their states back with the rest of the
+    module (`profiling.state.ModelState`: tensor states their values, list states their items, the update count)."""
     pl_module.log = _ignore  # type: ignore[method-assign]
     pl_module.log_dict = _ignore  # type: ignore[method-assign]
     try:
         yield
     finally:
         del pl_module.log, pl_module.log_dict
-        for metric, count in zip(metrics, counts, strict=True):
-            if metric.update_count != count:
-                metric.reset()
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
