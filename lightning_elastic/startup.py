@@ -150,7 +150,8 @@ def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | No
     """
     batches = trainer.num_training_batches
     estimated = trainer.estimated_stepping_batches
-    total = int(estimated) if math.isfinite(estimated) else None
+    # unknown: infinite, or `max_steps` (-1 when unset) for a loader of unknown length, whatever `max_epochs` says
+    total = int(estimated) if math.isfinite(estimated) and estimated > 0 else None
     if not math.isfinite(batches):
         return math.inf, total
     scheduler = _callback(trainer, GradientAccumulationScheduler)

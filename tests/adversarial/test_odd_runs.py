@@ -378,3 +378,24 @@ def test_cpu_precisions_select_on_schedule_with_finite_importance(precision: str
 def test_arguments_of_the_wrong_type_are_refused_by_the_constructor(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ElasticConfigError, match=message):
         ElasticTensorSelection(**kwargs)
+
+
+class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Ten batches an epoch, of a length Lightning cannot know (no `__len__`)."""
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(10):
+            x = torch.randn(32, 16, generator=generator)
+            yield x, x[:, :3].argmax(1)
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_an_iterable_data_set_of_unknown_length_with_max_epochs_plans_per_interval(calibrate: bool) -> None:
+    """Lightning estimates such a fit's steps as `max_steps`, -1 when unset: a fit of unknown length, not of -1 steps
+    (which crashed the check before training: a reachable speedup of infinity, rounded)."""
+    callback = elastic(calibrate=calibrate, speedup=1.2)
+    trainer = tiny_trainer(callbacks=[callback], max_epochs=3)
+    trainer.fit(TinyNet(), torch.utils.data.DataLoader(_Stream(), batch_size=None))
+    assert trainer.global_step == 30 and callback._fit is not None and callback._fit.plan.total_steps is None
+    assert len(callback.history) >= 3  # the first window's, then as each epoch starts
