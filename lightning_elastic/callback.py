@@ -47,7 +47,7 @@ from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
-from lightning_elastic.startup import check_supported, fit_schedule, step_profile
+from lightning_elastic.startup import check_parameters, check_supported, fit_schedule, step_profile
 from lightning_elastic.summary import FitSummary, fit_summary
 from lightning_elastic.terms import step_terms
 
@@ -172,6 +172,10 @@ class ElasticTensorSelection(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             check_supported(trainer, pl_module, ElasticTensorSelection)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        check_parameters(pl_module)  # after the module's `setup` and `configure_model`, which may build its layers
 
     # ------------------------------------------------------------------ 1. profile and 2. plan, as training starts
 

@@ -1,8 +1,9 @@
 """What the callback reads and refuses as a fit starts, before any of its state exists.
 
-`check_supported` refuses a module the method cannot run with (as the fit is set up); `fit_schedule` reads the
-Trainer's epochs and the fit's length (`epoch_lengths`) into the schedule of probe windows and selections
-(`windows.plan_schedule`), or says why the callback stays off. Once the profile is known, `profiled_parameters`
+`check_supported` refuses a module the method cannot run with (as the fit is set up), `check_parameters` one whose
+layers (built by then) are lazy or all frozen (as it starts); `fit_schedule` reads the Trainer's epochs and the fit's
+length (`epoch_lengths`) into the schedule of probe windows and selections (`windows.plan_schedule`), or says why the
+callback stays off. Once the profile is known, `profiled_parameters`
 binds its tensors (refusing a profile of another module) and `check_dense` refuses sparse gradients.
 """
 
@@ -38,13 +39,6 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule, kind: type
             "`ElasticTensorSelection` must be the only instance in a Trainer (each sets `requires_grad` for the whole "
             f"module and keeps its own wall-clock contract): compare speedups in separate fits. Found: {instances}"
         )
-    lazy = [n for n, p in pl_module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise ElasticConfigError(
-            "`ElasticTensorSelection` profiles every parameter as training starts, so lazy modules must be "
-            "materialised first (run one batch through the model, e.g. in `setup`). Found uninitialised: "
-            f"{lazy[:5]}"
-        )
     if not pl_module.automatic_optimization:
         raise ElasticConfigError(
             "`ElasticTensorSelection` needs automatic optimization (it measures importance around each "
@@ -59,6 +53,18 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule, kind: type
             "fit without it (a compiled module is supported). Found: compiled autograd enabled"
         )
     prepare_strategy(trainer.strategy)
+
+
+def check_parameters(pl_module: L.LightningModule) -> None:
+    """Refuse, as the fit starts (after the module's `setup` and `configure_model`, which may build its layers), a
+    module with lazy parameters left or none to train."""
+    lazy = [n for n, p in pl_module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ElasticConfigError(
+            "`ElasticTensorSelection` profiles every parameter as training starts, so lazy modules must be "
+            "materialised first (run one batch through the model, e.g. in `setup` or `configure_model`). Found "
+            f"uninitialised: {lazy[:5]}"
+        )
     if not any(p.requires_grad for p in pl_module.parameters()):
         raise ElasticConfigError("`ElasticTensorSelection` needs a model with trainable parameters. Found: none")
 

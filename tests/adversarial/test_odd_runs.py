@@ -399,3 +399,40 @@ def test_an_iterable_data_set_of_unknown_length_with_max_epochs_plans_per_interv
     trainer.fit(TinyNet(), torch.utils.data.DataLoader(_Stream(), batch_size=None))
     assert trainer.global_step == 30 and callback._fit is not None and callback._fit.plan.total_steps is None
     assert len(callback.history) >= 3  # the first window's, then as each epoch starts
+
+
+class _BuiltInSetup(TinyNet):
+    """Its layers are built in `setup`, as Lightning documents for modules too large to build eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+
+    def setup(self, stage: str) -> None:
+        self.net = TinyNet().net
+
+
+class _BuiltInConfigureModel(_BuiltInSetup):
+    def setup(self, stage: str) -> None:
+        pass
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = TinyNet().net
+
+
+class _LazyMaterialisedInSetup(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0] = nn.LazyLinear(64)
+
+    def setup(self, stage: str) -> None:
+        self.net(torch.zeros(2, 16))  # what the lazy-module refusal advises
+
+
+@pytest.mark.parametrize("module_type", [_BuiltInSetup, _BuiltInConfigureModel, _LazyMaterialisedInSetup])
+def test_layers_built_in_setup_or_configure_model_are_selected_among(module_type: type[TinyNet]) -> None:
+    callback = elastic(profile=None, cache_dir=False, speedup=1.05, time_model="flops")
+    module = module_type()
+    tiny_trainer(callbacks=[callback], max_epochs=2).fit(module, tiny_data())
+    assert callback.timing_profile is not None and len(callback.timing_profile.names) == 10 and callback.history
