@@ -110,7 +110,7 @@ class ElasticTensorSelection(Callback):
         train_never: Sequence[str] = (),
         bn_policy: BnPolicy = "update",
         resolution: PositiveInt = 1000,
-        cache_dir: str | os.PathLike[str] | Literal[False] | None = None,
+        cache_dir: Literal[False] | str | os.PathLike[str] | None = None,  # False first: LightningCLI tries in order
         profile: TimingProfile | str | os.PathLike[str] | None = None,
         calibrate: bool = True,
         log_images: bool = True,

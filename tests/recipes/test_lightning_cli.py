@@ -120,3 +120,17 @@ def test_a_bad_count_on_the_command_line_ends_the_parse_with_a_message_that_name
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f'Parser key "{argument}":\n' in result.stderr
     assert f"Not of type PositiveInt: must be a positive int. Found: {shown}\n" in result.stderr
+
+
+@pytest.mark.parametrize("given", ["false", "False", "null"])
+def test_cache_dir_false_on_the_command_line_is_no_cache_not_a_folder_named_false(tmp_path: Path, given: str) -> None:
+    result = run_cli(
+        tmp_path,
+        "fit",
+        "--trainer.callbacks+=ElasticTensorSelection",
+        f"--trainer.callbacks.cache_dir={given}",
+        "--print_config",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = "false" if given != "null" else "null"
+    assert f"      cache_dir: {shown}\n" in result.stdout, result.stdout
