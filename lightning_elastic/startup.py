@@ -73,9 +73,15 @@ def profiled_parameters(pl_module: L.LightningModule, prof: TimingProfile) -> li
     """The module's parameters in the profile's order.
 
     Raises:
-        ElasticConfigError: when `prof` describes another module (`profiling.profile.mismatch`).
+        ElasticConfigError: when `prof` describes another module (`profiling.profile.mismatch`), or a step that takes
+            no time (a profile made by hand, or timed by a clock that did not advance).
     """
     reason = mismatch(prof, pl_module)
+    if reason is None and not prof.t_full > 0:  # every share of a step, the speedup's first, divides by it
+        raise ElasticConfigError(
+            "`profile` must time a full step of more than 0 seconds (every share of a step is of it): profile this "
+            f"module on this device (leave `profile` unset). Found: `t_full` {prof.t_full!r}"
+        )
     if reason is not None:
         raise ElasticConfigError(
             "`profile` must describe this module's parameters (names as `named_parameters()` gives them, their "

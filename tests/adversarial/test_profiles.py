@@ -97,6 +97,16 @@ def test_a_given_profile_of_another_model_is_refused(other: Callable[[], TimingP
     assert trainer.global_step == 0
 
 
+def test_a_given_profile_whose_full_step_takes_no_time_is_refused_before_training() -> None:
+    """Every share of a step is of `t_full`: a profile of zero times (made by hand) crashed the first step dividing."""
+    prof = synthetic_profile(TinyNet())
+    zero = replace(prof, t_dw=(0.0,) * len(prof.names), t_dy=(0.0,) * len(prof.names), t_fw=0.0, t_full=0.0)
+    trainer = tiny_trainer(callbacks=[ElasticTensorSelection(profile=zero, calibrate=False)], max_steps=3)
+    with pytest.raises(ElasticConfigError, match=r"`profile` must time a full step of more than 0 seconds .* Found: `t_full` 0.0$"):
+        trainer.fit(TinyNet(), tiny_data())
+    assert trainer.global_step == 0
+
+
 def reshaped(module: TinyNet) -> TimingProfile:
     """The profile of `module` with its first weight transposed (a Linear(64, 16) there): the same element count."""
     shapes = [tuple(p.shape) for p in module.parameters()]
