@@ -111,13 +111,17 @@ class Reach:
         """The speedup that leaves the selected steps `room` (see `room`)."""
         return 1.0 / (room * self.selected_share + 1.0 / self.this_fit)
 
-    def check(self, speedup: float) -> str | None:
-        """Refuse a `speedup` out of reach; the warning when only this run's profiling puts it out of reach.
+    def check(self, speedup: float, smoke: bool = False) -> str | None:
+        """Refuse a `speedup` out of reach; the warning when only this run's profiling puts it out of reach. In a
+        `smoke` run (Lightning's `fast_dev_run`: a few steps to see that the code runs, too few for any contract) the
+        refusal is a warning, and the run goes on.
 
         Raises:
             SpeedupOutOfReach: with the largest reachable speedup (`refusal`).
         """
         if (refusal := self.refusal(speedup)) is not None:
+            if smoke:
+                return f"ElasticTensorSelection: not refused under `fast_dev_run`, which runs on: {refusal}"
             raise SpeedupOutOfReach(refusal, reachable=float(at_most(self.reachable)))
         return self.warning(speedup)
 

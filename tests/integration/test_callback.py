@@ -174,6 +174,17 @@ def test_fast_dev_run_long_enough_for_the_schedule_selects() -> None:
     assert all(recorder.trainable[0]) and not all(recorder.trainable[1]) and not all(recorder.trainable[2])
 
 
+def test_fast_dev_run_runs_on_with_a_speedup_out_of_reach_and_says_so() -> None:
+    """A smoke run is a few steps to see that the code runs, too few for any contract: refusing its speedup stopped
+    `fast_dev_run` at the default 2x (3 steps with a full-cost probe step reach at most 1.66x)."""
+    callback, recorder = elastic(probe_steps=1, interval=3, speedup=50.0), Recorder()
+    with pytest.warns(UserWarning, match=r"not refused under `fast_dev_run`, which runs on: `speedup` must be at most"):
+        fit([callback, recorder], fast_dev_run=3)
+    assert recorder.steps == [0, 1, 2] and [r.step for r in callback.history] == [1]
+    with pytest.raises(ElasticConfigError, match=r"`speedup` must be at most"):  # refused in a real fit
+        fit([elastic(probe_steps=1, interval=3, speedup=50.0)], max_steps=3)
+
+
 class ManualNet(TinyNet):
     def __init__(self) -> None:
         super().__init__()
