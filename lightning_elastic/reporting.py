@@ -205,6 +205,21 @@ def progress_metrics(probing: bool, mask: Mask | None) -> dict[str, float]:
     return {"elastic/probing": 0.0, "elastic/trained": mask.count(True) / len(mask)}
 
 
+def unprofiled_warning(names: Sequence[str]) -> str:
+    """The warning when tensors the profiled batch did not use get a gradient: they train outside every selection.
+
+    Example:
+        >>> unprofiled_warning(["b.weight", "b.bias"])[:75]
+        'ElasticTensorSelection: tensors that the profiled batch did not use got a g'
+    """
+    return (
+        "ElasticTensorSelection: tensors that the profiled batch did not use got a gradient (a branch of the model "
+        f"that batch did not take): {list(names)[:5]}{' ...' if len(names) > 5 else ''}. They are not in the profile, "
+        "so no selection freezes them: they train whenever a batch uses them, outside the selection (the plan counts "
+        "their time in the steps it measures). Freeze them with `train_never` if they should not train."
+    )
+
+
 def nonfinite_warning(names: Sequence[str], dropped: Sequence[int]) -> str:
     """The warning, once a fit, when some tensor steps' importance was not finite (`dropped`: their count per tensor).
 

@@ -38,7 +38,7 @@ from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
 from lightning_elastic.reach import Reach, reach, reach_shortening
 from lightning_elastic.records import Decision, Mask, SelectionRecord
-from lightning_elastic.reporting import nonfinite_warning
+from lightning_elastic.reporting import nonfinite_warning, unprofiled_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.terms import mean_over_ranks, off_plan
@@ -97,6 +97,7 @@ class FitSession:
     warmup: FirstWindow = field(default_factory=FirstWindow)  # the process's warm-up, as the first window saw it
     outside: dict[str, nn.Parameter] = field(default_factory=dict)  # frozen as the fit started, not in the profile
     origin: int = 0  # the global optimizer step this fit counts its steps from (`step_of`)
+    unprofiled: dict[str, nn.Parameter] = field(default_factory=dict)  # trainable, unused on the profiled batch
 
     @classmethod
     def start(
@@ -118,6 +119,8 @@ class FitSession:
         params = profiled_parameters(pl_module, prof)
         profiled = set(prof.names)
         outside = {n: p for n, p in pl_module.named_parameters() if n not in profiled and not p.requires_grad}
+        unused = set(prof.unused)
+        unprofiled = {n: p for n, p in pl_module.named_parameters() if n in unused and p.requires_grad}
         required, forbidden = pins(prof.names, params, settings.train_always, ())
         check_dense(pl_module, prof.names, forbidden)
         device = pl_module.device
@@ -136,6 +139,7 @@ class FitSession:
             warmup=FirstWindow(warm_step=prof.t_step),
             outside=outside,
             origin=origin,
+            unprofiled=unprofiled,
         )
 
     def step_of(self, trainer: L.Trainer) -> int:
@@ -306,6 +310,9 @@ class FitSession:
 
     def before_optimizer_step(self) -> None:
         self.clock.overhead.start()
+        if self.unprofiled and (used := [n for n, p in self.unprofiled.items() if p.grad is not None]):
+            self.unprofiled = {}  # said once
+            rank_zero_warn(unprofiled_warning(used))
         self.evaluator.before_step()
         self.clock.overhead.stop()
         self.clock.optimizer.start()

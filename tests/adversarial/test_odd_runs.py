@@ -436,3 +436,27 @@ def test_layers_built_in_setup_or_configure_model_are_selected_among(module_type
     module = module_type()
     tiny_trainer(callbacks=[callback], max_epochs=2).fit(module, tiny_data())
     assert callback.timing_profile is not None and len(callback.timing_profile.names) == 10 and callback.history
+
+
+class _Branchy(L.LightningModule):
+    """Layer `a` on even batches, `b` on odd ones: the profiled batch (the first) never reaches `b`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = torch.relu(self.stem(x))
+        h = torch.relu(self.a(h) if batch_idx % 2 == 0 else self.b(h))
+        return nn.functional.cross_entropy(self.head(h), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_tensors_of_a_branch_the_profiled_batch_did_not_take_are_said_to_train_outside_the_selection() -> None:
+    callback = elastic(profile=None, cache_dir=False, speedup=1.05, time_model="flops")
+    with pytest.warns(UserWarning, match=re.escape("did not take): ['b.weight', 'b.bias']. They are not in the profile")):
+        tiny_trainer(callbacks=[callback], max_steps=6).fit(_Branchy(), tiny_data())
+    assert callback.timing_profile is not None and callback.timing_profile.unused == ("b.weight", "b.bias")
