@@ -98,8 +98,11 @@ class Schedule:
         return self.selections_until(selection_step) % self.probe_every == 0
 
     def selects_at(self, step: int) -> bool:
-        """Whether a selection without a probe window comes into force before optimizer step `step`."""
-        if math.isinf(self.period) or step <= self.first_steps or next(self._selections_after(step - 1)) != step:
+        """Whether a selection without a probe window comes into force before optimizer step `step` (none at the fit's
+        end, where no step would train it)."""
+        if math.isinf(self.period) or step <= self.first_steps or step >= self.total_steps:
+            return False
+        if next(self._selections_after(step - 1)) != step:
             return False
         return not self.probed(step)
 

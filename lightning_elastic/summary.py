@@ -132,7 +132,10 @@ class FitSummary:
         return f"{steps} x {self.full_step_seconds * 1e3:.1f} ms{warmup}"
 
     def table(self) -> str:
-        """A small table for the terminal: speedups, where the time went, what was trained, and what to change."""
+        """A small table for the terminal: speedups, where the time went, what was trained, and what to change; one
+        line before any training step was measured (no fit yet, or one the callback stayed off in)."""
+        if not math.isfinite(self.spent_seconds) or self.steps == 0:
+            return f"  no training step measured (asked {self.target_speedup:g}x)"
         overhead = self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
         share = overhead / self.spent_seconds if self.spent_seconds > 0 else math.nan
         trained = ", ".join(f"{name} ({n}/{self.selections})" for name, n in self.most_trained) or "none"

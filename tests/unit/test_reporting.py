@@ -328,3 +328,7 @@ def test_a_selection_is_logged_to_every_logger_and_drawn_for_each_tensorboard_wr
     monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: [without])
     log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01, 0.0), lambda: None)  # type: ignore[arg-type]
     assert ("add_text", "elastic/selection") in without.calls and not any(c[0] == "add_image" for c in without.calls)
+
+
+def test_the_table_of_a_fit_with_no_step_says_so_not_nan() -> None:
+    assert fit_summary((), None, {}, (), (), 2.0).table() == "  no training step measured (asked 2x)"

@@ -99,3 +99,10 @@ def test_a_fit_of_lightnings_default_1000_epochs_is_planned_without_walking_them
 def test_epochs_without_optimizer_steps_are_refused(lengths: int | tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match=r"`steps_per_epoch` must be a positive number .* Found: "):
         Schedule(1, "epoch", 2, lengths)
+
+
+def test_no_selection_comes_at_the_fits_end() -> None:
+    # step intervals of 10 in a fit of 40 steps: selections before steps 10, 20 and 30, none after the last step
+    schedule = Schedule(10, "step", 2, total_steps=40, probe_every=3)
+    assert [step for step in range(41) if schedule.selects_at(step)] == [10, 20]  # 30 follows a window
+    assert schedule.window_end(38) is None  # and no window opens for one at 40
