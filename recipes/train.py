@@ -9,8 +9,8 @@ Composes `conf/train.yaml` with the groups and overrides given, checks the whole
 listing every problem), fits, tests, and prints: test accuracy, wall time, the fit's speedup against training every
 tensor (the callback itself logs the whole comparison, `summary.FitSummary`, as the fit ends: it is not repeated),
 an energy estimate (wall time x the device config's power figure) and where the TensorBoard logs are. The summary is
-also written to `summary.json` in the run's output folder, and the selection map to `selection_map.png`; Lightning's
-noise is kept off the console.
+also written to `summary.json` in the run's output folder (strict JSON: a figure not measured is null), and the
+selection map, when there is one, to `selection_map.png`; Lightning's noise is kept off the console.
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ def run(cfg: DictConfig) -> tuple[dict[str, Any], Parts]:
     if parts.trainer.is_global_zero:  # under DDP every rank gets here; one summary is enough
         output_dir = Path(cfg.paths.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         for callback in parts.callbacks:
             if isinstance(callback, ElasticTensorSelection) and (image := callback.selection_map()) is not None:
                 Image.fromarray(image).save(output_dir / "selection_map.png")
+                summary["run_files"] = [*summary["run_files"], "selection_map.png"]
+        (output_dir / "summary.json").write_text(json.dumps(plain_json(summary), indent=2, allow_nan=False) + "\n")
         print(format_summary(summary))
     return summary, parts
 
@@ -81,6 +82,7 @@ def summarise(cfg: DictConfig, parts: Parts, test: Mapping[str, float], wall_sec
         "target_speedup": math.nan,
         "tensorboard_dir": None,
         "output_dir": str(cfg.paths.output_dir),
+        "run_files": ["config", "log", "summary.json"],
     }
     for callback in parts.callbacks:
         if isinstance(callback, ElasticTensorSelection):
@@ -107,7 +109,7 @@ def format_summary(summary: dict[str, Any]) -> str:
           measured speedup   n/a: method=full runs no elastic selection
           energy (estimate)  0.20 Wh = 72 s x 10 W (device.power_watts: an estimate, not a measurement)
           TensorBoard        none (no logger, or fast_dev_run)
-          run folder         out (config, log, summary.json, selection_map.png)
+          run folder         out (config, log, summary.json)
     """
     wall = summary["wall_seconds"]
     lines = [
@@ -132,8 +134,26 @@ def format_summary(summary: dict[str, Any]) -> str:
     board = summary["tensorboard_dir"]
     board_line = f"tensorboard --logdir {board}" if board else "none (no logger, or fast_dev_run)"
     lines.append(f"  TensorBoard        {board_line}")
-    lines.append(f"  run folder         {summary['output_dir']} (config, log, summary.json, selection_map.png)")
+    files = ", ".join(summary.get("run_files", ["config", "log", "summary.json"]))
+    lines.append(f"  run folder         {summary['output_dir']} ({files})")
     return "\n".join(lines)
+
+
+def plain_json(value: Any) -> Any:
+    """`value` with every non-finite number as None: JSON has no NaN (`"target_speedup": NaN` of a run without the
+    callback made `summary.json` unreadable to strict parsers).
+
+    Example:
+        >>> plain_json({"a": math.nan, "b": [1.0, math.inf], "c": "x"})
+        {'a': None, 'b': [1.0, None], 'c': 'x'}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: plain_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(item) for item in value]
+    return value
 
 
 def _choice(group: str) -> str:

@@ -124,8 +124,11 @@ def test_an_elastic_method_without_the_elastic_callback_is_refused_up_front(tmp_
 def test_train_command_runs_a_baseline_method(tmp_path: Path) -> None:
     result = run_recipe("train.py", *DEMO, "method=bitfit", "debug=fdr", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["method"], summary["epochs"]) == ("bitfit", 1)
+    text = (tmp_path / "run" / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"summary.json is not JSON: {name}"))
+    assert (summary["method"], summary["epochs"], summary["target_speedup"]) == ("bitfit", 1, None)
+    assert summary["run_files"] == ["config", "log", "summary.json"]  # no selection map without the callback
+    assert f"({', '.join(summary['run_files'])})" in result.stdout
     assert "method=bitfit, 1 epoch(s)" in result.stdout and "n/a: method=bitfit runs no elastic selection" in result.stdout
     refused = run_recipe("train.py", *DEMO, "method=elastic", "elastic=none", f"hydra.run.dir={tmp_path / 'refused'}")
     assert refused.returncode == 2 and "`method=elastic` trains with the `elastic` group's callback" in refused.stderr
