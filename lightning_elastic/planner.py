@@ -42,6 +42,20 @@ PAUSED = 2.0
 REPLAN_AFTER, REPLAN_TOLERANCE, REPLANS = 4, 0.10, 2
 
 
+def unpaused(seconds: Sequence[float]) -> list[float]:
+    """The steps of a window or an interval that were not paused: none longer than `PAUSED` times their median (the
+    lower of the middle two).
+
+    Example:
+        >>> unpaused([0.009, 0.010, 0.034, 0.072])  # two steps of a 4-step interval hit by another process
+        [0.009, 0.01]
+    """
+    if not seconds:
+        return []
+    middle = sorted(seconds)[(len(seconds) - 1) // 2]
+    return [s for s in seconds if s <= PAUSED * middle]
+
+
 def replan_due(ratio: float, decision: Decision, forbidden: Mask) -> bool:
     """Whether a selection whose first steps took `ratio` times what the plan expected of them (the time model's
     seconds times the plan's correction) is re-planned: more than REPLAN_TOLERANCE off, and a new selection could
@@ -83,7 +97,7 @@ class WallClockPlan:
         >>> plan.spend(10.0, steps=10)  # ten probe steps at full cost
         >>> plan.target(step=10, horizon=100, probe_steps_ahead=0)  # 50 s planned, 40 s left for 90 steps
         0.4444444444444444
-        >>> plan.observe_selected_steps(measured=0.5, predicted=0.4)  # the model predicts 20% too little ...
+        >>> plan.observe_selected_steps([0.5, 0.5], predicted=0.4)  # the model predicts 20% too little ...
         >>> plan.target(step=10, horizon=100, probe_steps_ahead=0)  # ... so it is asked for 20% less
         0.3555555555555555
         >>> plan.reference_forward = 0.3  # the probe steps' forward pass, and the latest steps' at half of it:
@@ -145,9 +159,7 @@ class WallClockPlan:
         if self.reference_forward <= 0 and timed:
             self.reference_forward = statistics.median(timed)
         scale = statistics.median(timed) / self.reference_forward if timed else 1.0
-        if seconds:
-            middle = sorted(seconds)[(len(seconds) - 1) // 2]
-            seconds = [s for s in seconds if s <= PAUSED * middle]
+        seconds = unpaused(seconds)
         if not seconds:
             return
         previous = self.full_step * self.full_samples
@@ -162,8 +174,13 @@ class WallClockPlan:
         """Seconds a step that the time model predicts at `predicted` measures, as the plan has learnt it."""
         return self.correction * predicted
 
-    def observe_selected_steps(self, measured: float, predicted: float) -> None:
-        """Move the correction towards an interval's measured / predicted (uncorrected) step seconds."""
+    def observe_selected_steps(self, steps: Sequence[float], predicted: float) -> None:
+        """Move the correction towards an interval's measured / predicted (uncorrected) step seconds: the mean of its
+        steps that were not paused (`unpaused`). Paused steps are spent all the same (`spend`); taken into the
+        correction, two steps of 72 and 34 ms among steps of 8-10 ms (another process) read as a time model 3.95x
+        low, and every step target after them starved the selections for the rest of the fit."""
+        kept = unpaused(steps)
+        measured = math.fsum(kept) / len(kept) if kept else math.nan
         if not (measured > 0 and predicted > 0 and math.isfinite(measured) and math.isfinite(predicted)):
             return
         low, high = CORRECTION_BOUNDS

@@ -388,7 +388,7 @@ class FitSession:
         if not self.history or not steps:
             return None
         record = self.history[-1] = replace(self.history[-1], measured_seconds=tuple(steps))
-        self.plan.observe_selected_steps(record.measured_step, record.decision.predicted_seconds)
+        self.plan.observe_selected_steps(record.measured_seconds, record.decision.predicted_seconds)
         return record
 
     def apply(self, pl_module: nn.Module, mask: Mask) -> None:

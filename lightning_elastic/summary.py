@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
 
-from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.planner import WallClockPlan, unpaused
 from lightning_elastic.records import SelectionRecord
 
 # The asked speedup counts as met within this share (the plan's own tolerance for noise in measured steps).
@@ -245,7 +246,9 @@ def shortfall(
             "even the cheapest selection took longer than the plan's step target: ask a lower `speedup` or pin "
             "fewer `train_always` tensors"
         )
-    late = [r.measured_step / r.decision.predicted_seconds for r in history if r.measured_seconds]
+    late = [  # as the correction reads them: paused steps are no cost of the step (`planner.unpaused`)
+        statistics.fmean(kept) / r.decision.predicted_seconds for r in history if (kept := unpaused(r.measured_seconds))
+    ]
     if late and max(late) > 1.15:
         reasons.append(
             f"selected steps took up to {max(late) - 1:.0%} longer than predicted (costs the profile does not see, "
