@@ -155,8 +155,9 @@ class ElasticTensorSelection(Callback):
         if fit is None or profile is None:
             return fit_summary((), None, {}, (), (), self._settings.speedup)
         names, numel = profile.names, profile.numel
-        speedup, probe_steps, contract = self._settings.speedup, self._settings.probe_steps, self._settings.calibrate
-        return fit_summary(fit.history, fit.plan, fit.totals, names, numel, speedup, probe_steps, contract)
+        settings = self._settings
+        said = (settings.probe_steps, settings.calibrate, any(fit.required), settings.cache_dir is not False)
+        return fit_summary(fit.history, fit.plan, fit.totals, names, numel, settings.speedup, *said)
 
     def selection_map(self) -> np.ndarray | None:
         """The selection map of the current (or last) fit as an RGB image (H, W, 3); None before any selection."""

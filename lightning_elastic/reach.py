@@ -76,6 +76,8 @@ class Reach:
         own_steps: profiling and probe steps in full steps, the callback's own time as planned (`own_share`).
         total_steps: optimizer steps of the fit (None: not known, or no plan to keep).
         cache_on: the fit keeps its profile in the cache (`cache_dir` not False), where a later fit reads it.
+        pinned: the fit pins `train_always` tensors (the refusal advises fewer only then).
+        fixed_windows: the user set `probe_steps` (the refusal advises fewer only then, not under "auto").
     """
 
     floor: float
@@ -88,6 +90,8 @@ class Reach:
     own_steps: float = 0.0
     total_steps: int | None = None
     cache_on: bool = True
+    pinned: bool = True
+    fixed_windows: bool = True
 
     def own_share(self, speedup: float) -> float | None:
         """The callback's own time as planned (profiling, probe steps counted whole) against the fit planned at
@@ -129,11 +133,12 @@ class Reach:
         """The `ElasticConfigError` message when `speedup` is out of reach; None when it is not."""
         if self.reachable >= speedup:
             return None
+        changes = [*(["Train fewer tensors always"] * self.pinned), *(["use fewer `probe_steps`"] * self.fixed_windows)]
+        advice = ", ".join([*changes, "a longer fit, or a lower speedup" if changes else "Fit longer, or ask less"])
         return (
             f"`speedup` must be at most {at_most(self.reachable)} for this model on this device {self.scope}: the "
             "forward pass and the parts of a step that every selection pays (at least the `train_always` tensors, or "
-            f"one tensor) take {self.floor:.0%} of a full step. Train fewer tensors always, use fewer `probe_steps`, "
-            f"a longer fit, or a lower speedup. Found: {speedup!r}"
+            f"one tensor) take {self.floor:.0%} of a full step. {advice}. Found: {speedup!r}"
         )
 
     def warning(self, speedup: float) -> str | None:

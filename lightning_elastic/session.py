@@ -167,7 +167,9 @@ class FitSession:
             self.plan.speedup,
             lambda schedule: reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full),
         )
-        return replace(limit, cache_on=self.settings.cache_dir is not False)
+        settings, pinned = self.settings, any(self.required)
+        fixed = settings.probe_steps != "auto"
+        return replace(limit, cache_on=settings.cache_dir is not False, pinned=pinned, fixed_windows=fixed)
 
     def charge_start(self, seconds: float) -> None:
         """Charge the callback's own seconds as the fit began (profiling and the plan's start) to the plan."""

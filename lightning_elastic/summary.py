@@ -167,9 +167,12 @@ def fit_summary(
     target_speedup: float,
     probe_steps: int | Literal["auto"] = "auto",
     contract: bool = True,
+    pinned: bool = False,
+    cache_on: bool = True,
 ) -> FitSummary:
-    """The `FitSummary` of a fit from its selection records, its plan and the callback's own seconds; `probe_steps` as
-    the user set it (what `shortfall` may advise); `contract` False for a fit that kept none (`calibrate=False`)."""
+    """The `FitSummary` of a fit from its selection records, its plan and the callback's own seconds; `probe_steps`,
+    `pinned` (`train_always` tensors) and `cache_on` as the user set them (what `shortfall` may advise); `contract`
+    False for a fit that kept none (`calibrate=False`)."""
     last = history[-1] if history else None
     selected = [s for r in history for s in r.measured_seconds]
     full, now = (plan.full_step, plan.full_step_now) if plan is not None else (math.nan, math.nan)
@@ -206,16 +209,22 @@ def fit_summary(
         contract=contract,
         pace=plan.pace if plan is not None else 1.0,
     )
-    return replace(summary, shortfall=shortfall(summary, history, probe_steps) if contract else "")
+    why = shortfall(summary, history, probe_steps, pinned, cache_on) if contract else ""
+    return replace(summary, shortfall=why)
 
 
 def shortfall(
-    summary: FitSummary, history: Sequence[SelectionRecord], probe_steps: int | Literal["auto"] = "auto"
+    summary: FitSummary,
+    history: Sequence[SelectionRecord],
+    probe_steps: int | Literal["auto"] = "auto",
+    pinned: bool = False,
+    cache_on: bool = True,
 ) -> str:
     """Why `summary` misses its asked speedup, and what to change; empty when it meets it (or nothing was timed).
 
     Only a setting the user chose is advised: fewer `probe_steps` when they set a number, not under "auto" (the
-    default), which already sizes the windows for the fit.
+    default), which already sizes the windows for the fit; fewer `train_always` tensors when they pinned some; the
+    cache when they turned it off.
 
     Example:
         >>> s = fit_summary([], WallClockPlan(2.0, 100, 1.0, spent=80.0, steps_done=100), {"profile_seconds": 30.0},
@@ -230,9 +239,10 @@ def shortfall(
         return ""
     reasons = []
     if s.profile_seconds > 0.05 * s.spent_seconds:
+        cache = "the default" if cache_on else "off in this fit: leave it unset"
         reasons.append(
             f"profiling took {s.profile_seconds:.1f} s ({s.profile_seconds / s.spent_seconds:.0%} of the fit): "
-            "with the profile cache on (`cache_dir`, the default) the next run on this device skips it"
+            f"with the profile cache on (`cache_dir`, {cache}) the next run on this device skips it"
         )
     if s.probe_seconds > 0.10 * s.spent_seconds:
         took = f"probe windows took {s.probe_seconds / s.spent_seconds:.0%} of the fit"
@@ -242,9 +252,9 @@ def shortfall(
             else f"{took}: set fewer `probe_steps`, or train longer"
         )
     if any(r.decision.starved for r in history):
+        pins = " or pin fewer `train_always` tensors" if pinned else ""
         reasons.append(
-            "even the cheapest selection took longer than the plan's step target: ask a lower `speedup` or pin "
-            "fewer `train_always` tensors"
+            f"even the cheapest selection took longer than the plan's step target: ask a lower `speedup`{pins}"
         )
     late = [  # as the correction reads them: paused steps are no cost of the step (`planner.unpaused`)
         statistics.fmean(kept) / r.decision.predicted_seconds for r in history if (kept := unpaused(r.measured_seconds))

@@ -117,3 +117,17 @@ def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_sele
     )
 
 
+
+
+@pytest.mark.parametrize(
+    ("pinned", "fixed_windows", "advice"),
+    [
+        (True, True, "Train fewer tensors always, use fewer `probe_steps`, a longer fit, or a lower speedup."),
+        (False, True, "use fewer `probe_steps`, a longer fit, or a lower speedup."),
+        (False, False, "Fit longer, or ask less."),
+    ],
+)
+def test_the_refusal_advises_only_the_settings_the_user_chose(pinned: bool, fixed_windows: bool, advice: str) -> None:
+    fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=14.0, full_step=7.0)
+    refusal = dataclasses.replace(fit, pinned=pinned, fixed_windows=fixed_windows).refusal(3.0)
+    assert refusal is not None and refusal.endswith(f"take 43% of a full step. {advice} Found: 3.0")

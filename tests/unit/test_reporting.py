@@ -116,6 +116,20 @@ def test_fewer_probe_steps_are_advised_only_when_the_user_set_them(given: dict[s
     assert ("`probe_steps`, or" in s.shortfall) == (given.get("probe_steps", "auto") != "auto")
 
 
+@pytest.mark.parametrize(("pinned", "cache_on"), [(False, True), (True, False)])
+def test_the_pins_and_the_cache_are_advised_only_as_the_user_set_them(pinned: bool, cache_on: bool) -> None:
+    """A starved fit is told to pin fewer `train_always` tensors only when it pinned some, and one whose profiling
+    took its share is told the cache is off when it turned it off (before: the same words whatever was set)."""
+    plan = WallClockPlan(speedup=2.0, total_steps=10, full_step=1.0, spent=8.0, steps_done=10, full_samples=2)
+    totals = {"profile_seconds": 2.0}
+    starved = [record([False, True, True], (0.5,), starved=True)]
+    s = fit_summary(starved, plan, totals, NAMES, NUMEL, 2.0, pinned=pinned, cache_on=cache_on)
+    assert ("ask a lower `speedup` or pin fewer `train_always` tensors" in s.shortfall) == pinned
+    assert "the plan's step target: ask a lower `speedup`" in s.shortfall
+    cache = "(`cache_dir`, the default)" if cache_on else "(`cache_dir`, off in this fit: leave it unset)"
+    assert f"with the profile cache on {cache} the next run on this device skips it" in s.shortfall
+
+
 def test_a_fit_without_the_contract_gets_no_verdict_on_it() -> None:
     """`calibrate=False` plans each selected step at `1 / speedup` of the profile's step and keeps no account: the
     same 1.25x fit is "NOT met" with the contract and, without it, said to be asked per selected step."""
