@@ -78,6 +78,8 @@ class Reach:
         cache_on: the fit keeps its profile in the cache (`cache_dir` not False), where a later fit reads it.
         pinned: the fit pins `train_always` tensors (the refusal advises fewer only then).
         fixed_windows: the user set `probe_steps` (the refusal advises fewer only then, not under "auto").
+        measured: this fit measured its profile; False: it read one (cached, given or restored), and its
+            `profile_seconds` are the pass that checks it against the step, which every such fit pays.
     """
 
     floor: float
@@ -92,6 +94,7 @@ class Reach:
     cache_on: bool = True
     pinned: bool = True
     fixed_windows: bool = True
+    measured: bool = True
 
     def own_share(self, speedup: float) -> float | None:
         """The callback's own time as planned (profiling, probe steps counted whole) against the fit planned at
@@ -144,6 +147,13 @@ class Reach:
     def warning(self, speedup: float) -> str | None:
         """The warning when only this run's profiling puts `speedup` out of reach, or when it leaves the selected
         steps less than NARROW_ROOM above the cheapest selection; None otherwise."""
+        if self.this_fit < speedup and not self.measured:
+            return (
+                f"ElasticTensorSelection: checking the profile it read against this step took "
+                f"{self.profile_seconds:.1f} s ({self.profile_steps:.1f} full steps) of this fit's budget, so this fit "
+                f"reaches at most {at_most(self.this_fit)}x of the `speedup` {speedup!r} asked (every fit that reads a "
+                "profile pays that pass: a longer fit spreads it)."
+            )
         if self.this_fit < speedup:
             return (
                 f"ElasticTensorSelection: profiling took {self.profile_seconds:.1f} s ({self.profile_steps:.1f} full "
@@ -158,8 +168,12 @@ class Reach:
             f"above the cheapest selection ({self.floor:.0%} of a full step: the forward pass and what every selection "
             f"trains), {self.scope} and {self.profile_seconds:.1f} s of profiling: its selections can train little "
             f"more than the cheapest set, and accuracy may fall toward training that set alone. At most "
-            f"{at_most(self.leaving(NARROW_ROOM))}x leaves {NARROW_ROOM:.0%}; a longer fit, or a later fit that reads "
-            f"the profile from the cache (the default{self._cache_off}), leaves more."
+            f"{at_most(self.leaving(NARROW_ROOM))}x leaves {NARROW_ROOM:.0%}; a longer fit"
+            + (
+                f", or a later fit that reads the profile from the cache (the default{self._cache_off}), leaves more."
+                if self.measured
+                else " leaves more."
+            )
         )
 
     @property

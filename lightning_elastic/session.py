@@ -169,7 +169,8 @@ class FitSession:
         )
         settings, pinned = self.settings, any(self.required)
         fixed = settings.probe_steps != "auto"
-        return replace(limit, cache_on=settings.cache_dir is not False, pinned=pinned, fixed_windows=fixed)
+        cache_on, measured = settings.cache_dir is not False, not self.warmup.cold
+        return replace(limit, cache_on=cache_on, pinned=pinned, fixed_windows=fixed, measured=measured)
 
     def charge_start(self, seconds: float) -> None:
         """Charge the callback's own seconds as the fit began (profiling and the plan's start) to the plan."""

@@ -91,6 +91,12 @@ def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone
         f"that reads the profile from the cache; `cache_dir=False` in this fit keeps none: leave it unset) "
         f"{at_most(fit.reachable)}x."
     )
+    # a fit that read its profile was not told to read it from the cache: its pass is what every such fit pays
+    assert dataclasses.replace(fit, measured=False).check(between) == (
+        f"ElasticTensorSelection: checking the profile it read against this step took 14.0 s (2.0 full steps) of this "
+        f"fit's budget, so this fit reaches at most {at_most(fit.this_fit)}x of the `speedup` {between!r} asked "
+        "(every fit that reads a profile pays that pass: a longer fit spreads it)."
+    )
     # a fraction of a step can tip a speedup at the edge: said as such (it read "1 full steps" for 0.6)
     small = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=4.2, full_step=7.0)
     edge = (small.this_fit + small.reachable) / 2
@@ -115,6 +121,8 @@ def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_sele
         f"alone. At most {at_most(fit.leaving(reach_module.NARROW_ROOM))}x leaves 5%; a longer fit, or a later fit that "
         "reads the profile from the cache (the default), leaves more."
     )
+    read = dataclasses.replace(fit, measured=False).check(narrow)  # a fit that read its profile: no later fit helps
+    assert read is not None and read.endswith("x leaves 5%; a longer fit leaves more.")
 
 
 
