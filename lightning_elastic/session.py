@@ -166,6 +166,7 @@ class FitSession:
             self.schedule,
             self.plan.speedup,
             lambda schedule: reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full),
+            self.warmup.warmup_steps,
         )
         settings, pinned = self.settings, any(self.required)
         fixed = settings.probe_steps != "auto"

@@ -139,3 +139,20 @@ def test_the_refusal_advises_only_the_settings_the_user_chose(pinned: bool, fixe
     fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=14.0, full_step=7.0)
     refusal = dataclasses.replace(fit, pinned=pinned, fixed_windows=fixed_windows).refusal(3.0)
     assert refusal is not None and refusal.endswith(f"take 43% of a full step. {advice} Found: 3.0")
+
+
+def test_a_first_window_cut_to_its_warm_up_steps_keeps_a_later_window_that_times_the_full_step() -> None:
+    """A cached short fit near its edge had its first window cut to one step, all warm-up, and its later windows
+    planned one in four selections of a fit with three: no full step was ever timed (the plan kept the profile's pass,
+    which leaves the update and the loop out, and said 0.79x of a fit that ran 1.46x)."""
+    model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=2.0)
+
+    def reach_of(schedule: Schedule) -> Reach:
+        return reach(model, [False] * 2, [False] * 2, schedule, 100, 0.0, 5.0)
+
+    sparse = Schedule(25, "step", 1, probe_every=4, total_steps=100, first_probe_steps=6)
+    assert [s for s in range(100) if sparse.window_end(s) is not None] == [0, 1, 2, 3, 4, 5]
+    warm, _ = reach_shortening(sparse, 1.62, reach_of, warmup_steps=1)  # its 1-step window: warm-up only
+    assert [s for s in range(100) if warm.window_end(s) is not None] == [0, 74]  # a window before the selection at 75
+    timed, _ = reach_shortening(sparse, 1.62, reach_of, warmup_steps=0)  # a window that times a steady step
+    assert [s for s in range(100) if timed.window_end(s) is not None] == [0]
