@@ -261,9 +261,10 @@ def starved_warning(
             "has measured the full step."
         )
     elif reachable < plan.speedup * (1 - MET_WITHIN):
+        ask = "ask at most that, or fit longer" if reachable > 1 else "a `speedup` must be above 1: fit longer"
         outcome = (
             f"With the cheapest selection at every step left, this fit reaches at most {at_most(reachable)}x: the "
-            f"`speedup` asked is out of its reach (ask at most that, or fit longer)."
+            f"`speedup` asked is out of its reach ({ask})."
         )
     elif reachable < plan.speedup:
         outcome = (

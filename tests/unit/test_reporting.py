@@ -1,5 +1,6 @@
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -265,6 +266,12 @@ def test_starved_warning_gives_the_target_the_cheapest_step_and_what_the_whole_f
         "planned); the cheapest selection takes 30.0 ms, so this interval spends more than its share of `speedup` 2.0 "
         "(largest per-step speedup: 1.66x). With the cheapest selection at every step left, this fit reaches at most "
         "1.20x: the `speedup` asked is out of its reach (ask at most that, or fit longer)."
+    )
+    # a fit that spent its time: no speedup below 1 is advised (one said "at most 0.92x ... ask at most that")
+    spent = replace(plan, spent=4.5)  # 5 s of full fine-tuning in 4.5 s + 88 x 30 ms = 7.14 s
+    assert starved_warning(12, decision, terms, spent, none_ahead, [False, False], [False, False]).endswith(
+        "this fit reaches at most 0.70x: the `speedup` asked is out of its reach (a `speedup` must be above 1: fit "
+        "longer)."
     )
     # two probe steps ahead at the full step, and a plan that has learnt its steps measure 10% over the model
     plan.correction = 1.1
