@@ -89,9 +89,24 @@ def start_message(
     return (
         f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
         f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
-        f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection{more}, "
+        f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection{more}, {_later(schedule)}"
+        f"{own}"
+    )
+
+
+def _later(schedule: Schedule) -> str:
+    """The windows before the selections after the first, in words: none where `probe_every` skips them all.
+
+    Example:
+        >>> _later(Schedule(1, "epoch", 1, steps_per_epoch=32, probe_every=4, total_steps=128))
+        'no window before the 3 selections after it (every 1 epoch(s))'
+    """
+    later = None if schedule.selections is None else schedule.selections - 1
+    if later is not None and schedule.probe_every > later:
+        return f"no window before the {later} selections after it (every {schedule.interval} {schedule.unit}(s))"
+    return (
         f"{schedule.probe_steps} before every {schedule.probe_every} of the selections every {schedule.interval} "
-        f"{schedule.unit}(s){own}"
+        f"{schedule.unit}(s)"
     )
 
 

@@ -125,7 +125,8 @@ class ProfileChoice(NamedTuple):
                 why = f"{cost} would eat the little room a selected step has above the forward pass at {speedup:g}x"
             else:
                 share = windows.OWN_SHARE
-                why = f"{cost} would be more than {share * room:.0%} of this fit"
+                scaled = f"{share * room:.0%}" if share * room >= 0.01 else f"{share * room:.1%}"  # not "0%"
+                why = f"{cost} would be more than {scaled} of this fit"
                 if room < 1.0:
                     why += f" ({share:.0%}, scaled to the room a selected step has above the forward pass)"
             why += "; time_model='measured' measures anyway"

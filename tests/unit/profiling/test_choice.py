@@ -71,6 +71,7 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
         ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0)
         ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5)
         ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0)
+        ProfileChoice.of("auto", 128, 2.97, first_step=True).announce(module, 2.97)  # the room nearly gone
     said = [r.getMessage() for r in caplog.records]
     steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
@@ -80,3 +81,4 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     assert f"measured (about {steps['measured']} training steps" in said[1] and "time_model='auto'" not in said[1]
     assert "would be more than 2% of this fit (5%, scaled to the room a selected step has above the forward" in said[2]
     assert "would eat the little room a selected step has above the forward pass at 3x" in said[3]
+    assert "would be more than 0.1% of this fit (5%, scaled to the room" in said[4]  # it read "more than 0%"
