@@ -31,7 +31,6 @@ class ModelState:
         self._buffers = [
 (buf, buf.detach().clone()) for module in model.modules() for buf in module._buffers.values() if buf is not None
         ]
-        self._buffer_sets = [(module, dict(module._buffers)) for module in model.modules()]
         self._attributes = [(module, dict(vars(module))) for module in model.modules()]
         self._tensors = [
             (value, value.detach().clone())
@@ -54,15 +53,12 @@ class ModelState:
             for key in [key for key in current if key not in saved]:
                 del current[key]
             current.update(saved)
-        for container, items in self._contents:
+        for container, items in self._contents:  # a module's `_buffers` too: which tensor objects they are
             if isinstance(container, list):
                 container[:] = items
             else:
                 container.clear()
                 container.update(items)
-        for module, buffers in self._buffer_sets:
-            module._buffers.clear()
-            module._buffers.update(buffers)
         with torch.no_grad():
             for buf, saved_value in self._buffers:
                 buf.copy_(saved_value)
