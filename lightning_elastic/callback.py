@@ -199,7 +199,7 @@ class ElasticTensorSelection(Callback):
         prof = reusable_profile(trainer, pl_module, settings.profile, restored, self._profile, choice)
         timed = False
         if prof is None:
-            choice.announce(pl_module, settings.speedup)
+            choice.announce(pl_module, settings.speedup, cached=settings.cache_dir is not False)
             if first_step:
                 self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started)  # see FirstStep
                 return

@@ -67,11 +67,11 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     module = Module()
     module.b.bias.requires_grad_(False)
     with caplog.at_level(logging.INFO):
-        ProfileChoice.of("auto", 90, 2.0, first_step=True).announce(module, 2.0)
-        ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0)
-        ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5)
-        ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0)
-        ProfileChoice.of("auto", 128, 2.97, first_step=True).announce(module, 2.97)  # the room nearly gone
+        ProfileChoice.of("auto", 90, 2.0, first_step=True).announce(module, 2.0, cached=True)
+        ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0, cached=False)
+        ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5, cached=True)
+        ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0, cached=True)
+        ProfileChoice.of("auto", 128, 2.97, first_step=True).announce(module, 2.97, cached=True)  # little room left
     said = [r.getMessage() for r in caplog.records]
     steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
@@ -79,6 +79,8 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     assert f"time_model='auto': a measured profile (about {steps['measured'] - 1} training steps)" in said[0]
     assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
     assert f"measured (about {steps['measured']} training steps" in said[1] and "time_model='auto'" not in said[1]
+    assert "a cached profile of this model on this device is used instead" in said[0]
+    assert "cached profile" not in said[1]  # `cache_dir=False`: no cache is read
     assert "would be more than 2% of this fit (5%, scaled to the room a selected step has above the forward" in said[2]
     assert "would eat the little room a selected step has above the forward pass at 3x" in said[3]
     assert "would be more than 0.1% of this fit (5%, scaled to the room" in said[4]  # it read "more than 0%"
