@@ -47,7 +47,7 @@ from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
-from lightning_elastic.startup import check_parameters, check_supported, fit_schedule, step_profile
+from lightning_elastic.startup import check_parameters, check_reach, check_supported, fit_schedule, step_profile
 from lightning_elastic.summary import FitSummary, fit_summary
 from lightning_elastic.terms import step_terms
 
@@ -247,10 +247,7 @@ class ElasticTensorSelection(Callback):
         fit = FitSession.start(pl_module, step, schedule, plan, settings, origin)
         self._fit = fit
         fit.warmup.profiled(timed, prof.method)
-        limit = fit.reach(profile_seconds, settings.calibrate)
-        smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
-        if (warning := limit.check(settings.speedup, smoke)) is not None:  # raises if out of reach even when cached
-            rank_zero_warn(warning)
+        limit = check_reach(trainer, fit, profile_seconds, settings.calibrate)  # refuses what is out of reach
         resume.restore(fit, self._restored)
         self._restored = None
         fit.allreduce = install_selective_allreduce(trainer.strategy)

@@ -18,7 +18,6 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_elastic import windows
 from lightning_elastic.arguments import Settings
 from lightning_elastic.distributed import SelectiveAllReduce, any_rank
 from lightning_elastic.freezing import (
@@ -36,13 +35,11 @@ from lightning_elastic.pace import PACE_SAMPLES
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
-from lightning_elastic.reach import Reach, reach, reach_shortening
 from lightning_elastic.records import Decision, Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning, unprofiled_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.terms import mean_over_ranks, off_plan
-from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepClock
 from lightning_elastic.warmup import FirstWindow
 
@@ -151,27 +148,6 @@ class FitSession:
     def names(self) -> tuple[str, ...]:
         """The profiled tensors' names, in the order of `params`."""
         return self.profile.names
-
-    def reach(self, profile_seconds: float, calibrate: bool) -> Reach:
-        """What the fit can reach after `profile_seconds` of profiling (per step without `calibrate`). Auto windows
-        after the first get what that profiling left of the own-time share (`windows.after_profile`); a first window
-        longer than the others (to time `T`, see `windows.auto_probe_plan`) is cut back to their length when it
-        alone would put the asked speedup out of this fit's reach."""
-        total, prof = (self.plan.total_steps if calibrate else None), self.profile
-        if self.settings.probe_steps == "auto":  # a resumed fit's restored profile cost it nothing: windows as cached
-            spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
-            self.schedule = windows.after_profile(self.schedule, self.plan.speedup, spent, self.warmup.warmup_steps)
-        model = StepTimeModel.from_profile(prof)
-        self.schedule, limit = reach_shortening(
-            self.schedule,
-            self.plan.speedup,
-            lambda schedule: reach(model, self.required, self.forbidden, schedule, total, profile_seconds, prof.t_full),
-            self.warmup.warmup_steps,
-        )
-        settings, pinned = self.settings, any(self.required)
-        fixed = settings.probe_steps != "auto"
-        cache_on, measured = settings.cache_dir is not False, not self.warmup.cold
-        return replace(limit, cache_on=cache_on, pinned=pinned, fixed_windows=fixed, measured=measured)
 
     def charge_start(self, seconds: float) -> None:
         """Charge the callback's own seconds as the fit began (profiling and the plan's start) to the plan."""

@@ -4,7 +4,8 @@
 layers (built by then) are lazy or all frozen (as it starts); `fit_schedule` reads the Trainer's epochs and the fit's
 length (`epoch_lengths`) into the schedule of probe windows and selections (`windows.plan_schedule`), or says why the
 callback stays off. Once the profile is known, `profiled_parameters`
-binds its tensors (refusing a profile of another module) and `check_dense` refuses sparse gradients.
+binds its tensors (refusing a profile of another module) and `check_dense` refuses sparse gradients. Once the fit's
+session exists, `check_reach` sizes its auto windows to what profiling left and refuses a speedup out of its reach.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import lightning as L
 import torch
@@ -20,12 +21,18 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler,
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_elastic import windows
 from lightning_elastic.distributed import prepare_strategy
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
+from lightning_elastic.reach import Reach, reach, reach_shortening
 from lightning_elastic.schedule import IntervalUnit, Schedule, counted_from
+from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
+
+if TYPE_CHECKING:
+    from lightning_elastic.session import FitSession
 
 C = TypeVar("C", bound=Callback)
 
@@ -181,3 +188,32 @@ def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | No
         steps = sum(lengths[min(e, len(lengths) - 1)] for e in range(max(epochs, 1)))
         total = min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
     return lengths, total
+
+
+def check_reach(trainer: L.Trainer, fit: FitSession, profile_seconds: float, calibrate: bool) -> Reach:
+    """What `fit` can reach after `profile_seconds` of profiling (per step without `calibrate`), before its first
+    update; refuse a speedup out of it (`Reach.check`, which raises), or warn of one on its edge.
+
+    Auto windows after the first get what that profiling left of the own-time share (`windows.after_profile`; a
+    resumed fit's restored profile cost it nothing: windows as cached); a first window longer than the others (to time
+    `T`, see `windows.auto_probe_plan`) is cut back to their length when it alone would put the asked speedup out of
+    this fit's reach (`reach_shortening`).
+    """
+    settings, prof, speedup = fit.settings, fit.profile, fit.plan.speedup
+    total = fit.plan.total_steps if calibrate else None
+    if settings.probe_steps == "auto":
+        spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
+        fit.schedule = windows.after_profile(fit.schedule, speedup, spent, fit.warmup.warmup_steps)
+    model = StepTimeModel.from_profile(prof)
+    fit.schedule, limit = reach_shortening(
+        fit.schedule,
+        speedup,
+        lambda schedule: reach(model, fit.required, fit.forbidden, schedule, total, profile_seconds, prof.t_full),
+        fit.warmup.warmup_steps,
+    )
+    cache_on, fixed, measured = settings.cache_dir is not False, settings.probe_steps != "auto", not fit.warmup.cold
+    limit = replace(limit, cache_on=cache_on, pinned=any(fit.required), fixed_windows=fixed, measured=measured)
+    smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
+    if (warning := limit.check(settings.speedup, smoke)) is not None:  # raises if out of reach even when cached
+        rank_zero_warn(warning)
+    return limit
