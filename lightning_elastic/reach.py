@@ -225,6 +225,39 @@ def reach(
     )
 
 
+def largest_reachable(reach_at: Callable[[float], Reach | None], limit: Reach) -> Reach:
+    """What a fit reaches planned at the largest speedup, to the hundredth, that it reaches when asked for it:
+    `limit` is what it reaches planned at the speedup asked (out of its reach), `reach_at(s)` what it reaches planned
+    at `s` (None: no schedule at `s`). Auto windows are sized to the plan: a lower speedup plans a longer fit, whose
+    own-time share pays for more probe steps, so a fit asking for `limit.reachable` may reach less than that (a
+    refusal naming it was refused again when asked for it). Bisection over hundredths from 1 to `limit.reachable`;
+    the figure returned is the hundredth found, which `at_most` shows as it is. `limit` when even 1.01 is out of reach.
+
+    Example:
+        >>> def reach_at(s):  # more probe steps as the speedup falls: 3x reaches 2.65x, 2.65x 2.60x, 2.6x 2.596x
+        ...     return Reach(0.3, 3.0 - 1.05 / s, 3.0, "", 0.0, 0.0)
+        >>> at_most(reach_at(3.0).reachable), at_most(largest_reachable(reach_at, reach_at(3.0)).reachable)
+        ('2.65', '2.59')
+    """
+
+    def meets(hundredths: int) -> Reach | None:
+        at = reach_at(hundredths / 100)
+        return at if at is not None and at.reachable >= hundredths / 100 else None
+
+    low, high = 101, math.floor(limit.reachable * 100)
+    if high < low or (found := meets(low)) is None:
+        return limit
+    if (top := meets(high)) is not None:
+        low, found = high, top
+    while high - low > 1:  # `low` is met, `high` is not (or is `low + 1`)
+        middle = (low + high) // 2
+        if (at := meets(middle)) is not None:
+            low, found = middle, at
+        else:
+            high = middle
+    return replace(found, reachable=low / 100 + 1e-9)  # `at_most` shows `low / 100`, which a fit asking it reaches
+
+
 def reach_shortening(
     schedule: Schedule, speedup: float, reach_of: Callable[[Schedule], Reach], warmup_steps: int = 0
 ) -> tuple[Schedule, Reach]:

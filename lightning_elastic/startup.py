@@ -26,7 +26,7 @@ from lightning_elastic.distributed import prepare_strategy
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
-from lightning_elastic.reach import Reach, reach, reach_shortening
+from lightning_elastic.reach import Reach, largest_reachable, reach, reach_shortening
 from lightning_elastic.schedule import IntervalUnit, Schedule, counted_from
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
@@ -194,26 +194,47 @@ def check_reach(trainer: L.Trainer, fit: FitSession, profile_seconds: float, cal
     """What `fit` can reach after `profile_seconds` of profiling (per step without `calibrate`), before its first
     update; refuse a speedup out of it (`Reach.check`, which raises), or warn of one on its edge.
 
-    Auto windows after the first get what that profiling left of the own-time share (`windows.after_profile`; a
-    resumed fit's restored profile cost it nothing: windows as cached); a first window longer than the others (to time
-    `T`, see `windows.auto_probe_plan`) is cut back to their length when it alone would put the asked speedup out of
-    this fit's reach (`reach_shortening`).
+    Auto windows are sized to the speedup asked (`_reach_at`), so a refusal names the largest speedup that a fit
+    asking for it reaches (`reach.largest_reachable`), not what the windows of the speedup refused would reach.
     """
-    settings, prof, speedup = fit.settings, fit.profile, fit.plan.speedup
+    speedup, auto = fit.plan.speedup, fit.settings.probe_steps == "auto"
+    fit.schedule, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate)
+    if limit.reachable < speedup and auto and limit.total_steps is not None:
+        shape = fit.schedule
+
+        def reach_at(asked: float) -> Reach | None:
+            planned = plan_schedule(shape.interval, shape.unit, "auto", asked, shape.steps_per_epoch, limit.total_steps)
+            if isinstance(planned, ScheduleRefusal):
+                return None
+            return _reach_at(fit, asked, planned, profile_seconds, calibrate)[1]
+
+        limit = largest_reachable(reach_at, limit)
+    smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
+    if (warning := limit.check(speedup, smoke)) is not None:  # raises if out of reach even when cached
+        rank_zero_warn(warning)
+    return limit
+
+
+def _reach_at(
+    fit: FitSession, speedup: float, schedule: Schedule, profile_seconds: float, calibrate: bool
+) -> tuple[Schedule, Reach]:
+    """The schedule `fit` runs when planned at `speedup` from `schedule` (as planned before profiling), and what it
+    reaches. Auto windows after the first get what the profiling left of the own-time share (`windows.after_profile`;
+    a resumed fit's restored profile cost it nothing: windows as cached); a first window longer than the others (to
+    time `T`, see `windows.auto_probe_plan`) is cut back to their length when it alone would put `speedup` out of this
+    fit's reach (`reach_shortening`)."""
+    settings, prof = fit.settings, fit.profile
     total = fit.plan.total_steps if calibrate else None
     if settings.probe_steps == "auto":
         spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
-        fit.schedule = windows.after_profile(fit.schedule, speedup, spent, fit.warmup.warmup_steps)
+        schedule = windows.after_profile(schedule, speedup, spent, fit.warmup.warmup_steps)
     model = StepTimeModel.from_profile(prof)
-    fit.schedule, limit = reach_shortening(
-        fit.schedule,
+    schedule, limit = reach_shortening(
+        schedule,
         speedup,
-        lambda schedule: reach(model, fit.required, fit.forbidden, schedule, total, profile_seconds, prof.t_full),
+        lambda planned: reach(model, fit.required, fit.forbidden, planned, total, profile_seconds, prof.t_full),
         fit.warmup.warmup_steps,
     )
     cache_on, fixed, measured = settings.cache_dir is not False, settings.probe_steps != "auto", not fit.warmup.cold
     limit = replace(limit, cache_on=cache_on, pinned=any(fit.required), fixed_windows=fixed, measured=measured)
-    smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
-    if (warning := limit.check(settings.speedup, smoke)) is not None:  # raises if out of reach even when cached
-        rank_zero_warn(warning)
-    return limit
+    return schedule, limit

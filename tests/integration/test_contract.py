@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic import ElasticTensorSelection, planner, reporting, resume, session, warmup
-from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.pace import PACE_BAND, pace_of
 from lightning_elastic.profiling.cache import cache_file
 from lightning_elastic.profiling.profile import read_profile, store
@@ -554,6 +554,26 @@ def test_an_unreachable_contract_is_refused_before_training() -> None:
     ):
         tiny_trainer(callbacks=[callback, Steps()], max_epochs=3).fit(TinyNet(), tiny_data())
     assert trained == []
+
+
+def test_the_refusals_figure_is_the_largest_speedup_that_the_fit_reaches_when_asked_for_it() -> None:
+    """Auto windows are sized to the speedup asked: a lower one plans a longer fit, whose 5% pays for more probe
+    steps. This 200-step fit was refused at 50x with "at most 3.25", then at 3.25x with "at most 3.11"."""
+
+    def refused_at(speedup: float) -> float | None:
+        device = VirtualDevice(1.0)
+        callback = ElasticTensorSelection(
+            speedup=speedup, interval=8, interval_unit="step", profile=PROFILE, clock=device.clock
+        )
+        try:
+            tiny_trainer(callbacks=[device, callback], max_steps=200, max_epochs=-1).fit(TinyNet(), tiny_data())
+        except SpeedupOutOfReach as refused:
+            return refused.reachable
+        return None
+
+    largest = refused_at(50.0)
+    assert largest is not None and refused_at(largest) is None
+    assert refused_at(round(largest + 0.01, 2)) == largest
 
 
 @pytest.mark.parametrize("profiled", ["given", "in the first step"])

@@ -156,3 +156,25 @@ def test_a_first_window_cut_to_its_warm_up_steps_keeps_a_later_window_that_times
     assert [s for s in range(100) if warm.window_end(s) is not None] == [0, 74]  # a window before the selection at 75
     timed, _ = reach_shortening(sparse, 1.62, reach_of, warmup_steps=0)  # a window that times a steady step
     assert [s for s in range(100) if timed.window_end(s) is not None] == [0]
+
+
+@pytest.mark.parametrize("floor", [0.2, 0.31, 0.45, 0.6])
+@pytest.mark.parametrize("total_steps", [60, 150, 400])
+def test_the_largest_reachable_speedup_is_the_largest_hundredth_a_fit_planned_at_it_reaches(
+    floor: float, total_steps: int
+) -> None:
+    """Against every hundredth from 1.01 up, each planned with its own auto windows (more probe steps at a lower
+    speedup): the largest that reaches itself."""
+    model = StepTimeModel(t_dw=(1.0, 0.0), t_dy=(0.0, 0.0), t_fixed=floor / (1.0 - floor))
+
+    def reach_at(speedup: float) -> Reach | None:
+        planned = plan_schedule(8, "step", "auto", speedup, steps_per_epoch=(total_steps,), total_steps=total_steps)
+        assert isinstance(planned, Schedule)
+        return reach(model, [False] * 2, [False] * 2, planned, total_steps, 0.0, model.full)
+
+    asked = reach_at(50.0)
+    assert asked is not None
+    brute = max(k for k in range(101, 1000) if (at := reach_at(k / 100)) is not None and at.reachable >= k / 100)
+    found = reach_module.largest_reachable(reach_at, asked)
+    assert at_most(found.reachable) == f"{brute / 100:.2f}"
+    assert found.scope == reach_at(brute / 100).scope  # the probe steps of the fit planned at that speedup
