@@ -141,7 +141,9 @@ def interval_metrics(
         "elastic/predicted_step_ms": record.decision.predicted_seconds * 1e3,
         **contract_metrics(plan),
     }
-    if plan.full_samples:  # measured against measured: without `calibrate` the record's T is the profile's
+    # measured against measured (without `calibrate` the record's T is the profile's); a step of 0 s: a clock coarser
+    # than the step (`time.time` ticks every 15.6 ms on Windows)
+    if plan.full_samples and record.measured_step > 0:
         metrics["elastic/measured_speedup"] = plan.full_step_now / record.measured_step
     if allreduce is not None and allreduce.last_step_full_bytes:
         metrics["elastic/allreduce_fraction"] = allreduce.last_step_bytes / allreduce.last_step_full_bytes

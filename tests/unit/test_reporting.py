@@ -77,11 +77,12 @@ def test_the_table_counts_the_steps_at_the_pace_each_ran_and_adds_up() -> None:
     lines = s.table().splitlines()
     assert "(10 steps (11.5 at the device's pace as each ran) x 200.0 ms)" in lines[0]
     assert f"{s.full_fit_seconds:.1f} s estimated" in lines[0]
-    # per step: a full step at the pace now (250 ms) over the selected step
-    assert s.measured_speedup == pytest.approx(2.0)
+    # per step: a full step at the mean pace over the fit (11.5 / 10 x 200 = 230 ms, the selected steps' mean is the
+    # fit's too) over the selected step; not at the pace at the end (250 ms: 2.00x)
+    assert s.measured_speedup == pytest.approx(1.84)
     assert lines[1] == (
-        "  per-step speedup   2.00x: a selected step 125.0 ms against a full step 250.0 ms (the device's pace at the "
-        "end, 1.25, x 200.0 ms)"
+        "  per-step speedup   1.84x: a selected step 125.0 ms against a full step 230.0 ms (the device's mean pace "
+        "over the fit, 1.15, x 200.0 ms)"
     )
 
 
@@ -226,6 +227,16 @@ def test_interval_metrics_compare_measured_with_predicted_and_measured_full_step
     slower = interval_metrics(rec, WallClockPlan(2.0, 10, 0.9, full_samples=4, pace=0.5), None)  # a full step now
     assert slower["elastic/measured_speedup"] == pytest.approx(1.5) and slower["elastic/pace"] == 0.5
     assert measured["elastic/allreduce_fraction"] == 0.25
+
+
+def test_steps_of_0_s_on_a_coarse_clock_give_no_per_step_speedup_rather_than_a_crash() -> None:
+    """A user's `clock` coarser than a step (`time.time` on Windows ticks every 15.6 ms) reads 0 s steps: the interval
+    and the summary leave the per-step figure out (both divided by it: ZeroDivisionError at the interval's end)."""
+    plan = WallClockPlan(2.0, 10, 0.9, full_samples=4)
+    rec = record([False, True, True], (0.0, 0.0))
+    assert "elastic/measured_speedup" not in interval_metrics(rec, plan, None)
+    summary = fit_summary([rec], plan, {}, NAMES, NUMEL, target_speedup=2.0)
+    assert math.isnan(summary.measured_speedup) and summary.selected_step_seconds == 0.0
 
 
 def test_selection_metrics_are_the_record_in_milliseconds_and_shares() -> None:
