@@ -280,16 +280,20 @@ def starved_warning(
     elif reachable < plan.speedup * (1 - MET_WITHIN):
         ask = "ask at most that, or fit longer" if reachable > 1 else "a `speedup` must be above 1: fit longer"
         outcome = (
-            f"With the cheapest selection at every step left, this fit reaches at most {at_most(reachable)}x: the "
-            f"`speedup` asked is out of its reach ({ask})."
+            "With the cheapest selection at every step left, at the step times measured so far, this fit reaches "
+            f"about {at_most(reachable)}x: the `speedup` asked is out of its reach ({ask})."
         )
     elif reachable < plan.speedup:
         outcome = (
-            f"With the cheapest selection at every step left, this fit reaches at most {at_most(reachable)}x: within "
-            f"the {MET_WITHIN:.0%} of the asked that the summary counts as met, with nothing to spare."
+            "With the cheapest selection at every step left, at the step times measured so far, this fit reaches "
+            f"about {at_most(reachable)}x: within the {MET_WITHIN:.0%} of the asked that the summary counts as met, "
+            "with nothing to spare."
         )
     else:
-        outcome = f"Later intervals can pay it back: at the cheapest selection this fit reaches {at_most(reachable)}x."
+        outcome = (
+            "Later intervals can pay it back: at the cheapest selection, at the step times measured so far, this fit "
+            f"reaches about {at_most(reachable)}x."
+        )
     return (
         f"ElasticTensorSelection: at step {step} the plan leaves {decision.target_seconds * 1e3:.1f} ms a step "
         f"(full step {terms.full * 1e3:.1f} ms, {plan.spent:.1f} s spent of {plan.planned():.1f} s planned); "
