@@ -297,11 +297,7 @@ class ElasticTensorSelection(Callback):
             fit.clock.loop.stop()  # the wait for this step's batch ends
         if first_of_step and fit.probe_end is None and (end := fit.schedule.window_end(step)) is not None:
             fit.open_probe(trainer, end)
-        shown = reporting.progress_metrics(fit.probe_end is not None, fit.mask)
-        if shown != fit.shown or batch_idx == 0:  # the bar keeps what was logged last: `log` costs 0.3 ms a call
-            fit.shown = shown
-            for name, value in shown.items():
-                pl_module.log(name, value, prog_bar=True, logger=False, batch_size=1)  # the progress bar only
+        fit.shown = reporting.show_progress(pl_module, fit.shown, fit.probe_end is not None, fit.mask, batch_idx == 0)
         fit.clock.forward.start()  # until the loss: the device's pace (`pace`)
 
     @override

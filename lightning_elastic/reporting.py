@@ -222,6 +222,18 @@ def progress_metrics(probing: bool, mask: Mask | None) -> dict[str, float]:
     return {"elastic/probing": 0.0, "elastic/trained": mask.count(True) / len(mask)}
 
 
+def show_progress(
+    pl_module: L.LightningModule, shown: dict[str, float], probing: bool, mask: Mask | None, first_batch: bool
+) -> dict[str, float]:
+    """Put `progress_metrics` on the progress bar (not the loggers) when they differ from what it `shown`, or at an
+    epoch's `first_batch` (the bar keeps what was logged last, and `log` costs 0.3 ms a call); what it shows now."""
+    now = progress_metrics(probing, mask)
+    if now != shown or first_batch:
+        for name, value in now.items():
+            pl_module.log(name, value, prog_bar=True, logger=False, batch_size=1)
+    return now
+
+
 def unprofiled_warning(names: Sequence[str]) -> str:
     """The warning when tensors the profiled batch did not use get a gradient: they train outside every selection.
 
