@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -26,6 +26,10 @@ from lightning_elastic.errors import ElasticConfigError, is_positive_int
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy
 from lightning_elastic.profiling import TimeModel, TimingProfile
 from lightning_elastic.schedule import IntervalUnit
+
+# The selection's dynamic program keeps a byte per tensor and grid unit (`selector.select`): 100,000 units of a step's
+# budget are a microsecond of a 100 ms step, below any clock's noise; 10**12 asked for 7 TiB at the first selection.
+MAX_RESOLUTION = 100_000
 
 TIME_MODELS: tuple[str, ...] = get_args(TimeModel)
 INTERVAL_UNITS: tuple[str, ...] = get_args(IntervalUnit)
@@ -90,12 +94,14 @@ def constructor_problems(
             problems.append(f"`{name}` must be a list of non-empty name patterns. Found: {patterns!r}")
     if bn_policy not in BN_POLICIES:
         problems.append(f"`bn_policy` must be one of {BN_POLICIES}. Found: {bn_policy!r}")
-    if not is_positive_int(resolution):
-        problems.append(f"`resolution` must be a positive int. Found: {resolution!r}")
-    if cache_dir not in (None, False) and not isinstance(cache_dir, (str, os.PathLike)):
+    if not is_positive_int(resolution) or int(resolution) > MAX_RESOLUTION:  # type: ignore[call-overload]
+        problems.append(f"`resolution` must be a positive int of at most {MAX_RESOLUTION}. Found: {resolution!r}")
+    if cache_dir not in (None, False) and (not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir)):
         problems.append(f"`cache_dir` must be a directory path, None (the user cache) or False. Found: {cache_dir!r}")
     if profile is not None and not isinstance(profile, (TimingProfile, str, os.PathLike)):
         problems.append(f"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: {profile!r}")
+    elif isinstance(profile, (str, os.PathLike)) and not (os.fspath(profile) and os.path.isfile(profile)):
+        problems.append(f"`profile` must be the path of a saved timing profile. Found: {profile!r} (no such file)")
     for name, flag in (("calibrate", calibrate), ("log_images", log_images)):
         if not isinstance(flag, (bool, np_bool)):
             problems.append(f"`{name}` must be True or False. Found: {flag!r}")
@@ -147,6 +153,10 @@ class Settings:
         Raises:
             ElasticConfigError: naming each argument that is not allowed, what is allowed and what was given.
         """
+        for name in ("train_always", "train_never"):  # an iterator is read once, here: not used up by the checks
+            patterns = arguments[name]
+            if isinstance(patterns, Iterable) and not isinstance(patterns, (str, bytes, Mapping)):
+                arguments = {**arguments, name: tuple(patterns)}
         if problems := constructor_problems(**arguments):
             raise ElasticConfigError("; ".join(problems))
         numbers_ = {"speedup": float(arguments["speedup"]), "interval": int(arguments["interval"])}

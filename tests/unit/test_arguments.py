@@ -60,3 +60,32 @@ def test_the_constructor_still_names_a_bad_count_given_in_python() -> None:
 
     with pytest.raises(ElasticConfigError, match=r"`interval` must be a positive int. Found: 0"):
         ElasticTensorSelection(interval=0)
+
+
+def test_patterns_given_as_an_iterator_are_kept_not_used_up_by_the_checks() -> None:
+    from lightning_elastic import ElasticTensorSelection
+
+    callback = ElasticTensorSelection(train_always=iter(["fc.*"]), train_never=(p for p in ["stem.*"]))
+    assert (callback._settings.train_always, callback._settings.train_never) == (("fc.*",), ("stem.*",))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"resolution": 10**12}, "`resolution` must be a positive int of at most 100000. Found: 1000000000000"),
+        ({"cache_dir": ""}, "`cache_dir` must be a directory path, None (the user cache) or False. Found: ''"),
+        ({"profile": ""}, "`profile` must be the path of a saved timing profile. Found: '' (no such file)"),
+        ({"profile": "/nonexistent/p.json"}, "saved timing profile. Found: '/nonexistent/p.json' (no such file)"),
+    ],
+)
+def test_settings_that_would_fail_in_the_fit_are_refused_as_the_callback_is_made(
+    kwargs: dict[str, object], message: str
+) -> None:
+    """A resolution that the first selection cannot allocate (7 TiB), an empty cache directory (it wrote the
+    profiles into the working directory), a profile that is not there (refused only as the fit started)."""
+    from lightning_elastic import ElasticTensorSelection
+
+    with pytest.raises(ElasticConfigError) as refused:
+        ElasticTensorSelection(**kwargs)  # type: ignore[arg-type]
+    assert message in str(refused.value)
+    assert ElasticTensorSelection(resolution=arguments.MAX_RESOLUTION)._settings.resolution == 100_000
