@@ -136,12 +136,19 @@ class Reach:
         """The `ElasticConfigError` message when `speedup` is out of reach; None when it is not."""
         if self.reachable >= speedup:
             return None
-        changes = [*(["Train fewer tensors always"] * self.pinned), *(["use fewer `probe_steps`"] * self.fixed_windows)]
-        advice = ", ".join([*changes, "a longer fit, or a lower speedup" if changes else "Fit longer, or ask less"])
+        none = float(at_most(self.reachable)) <= 1.0  # none above 1, the least one may ask: asking less is no help
+        changes = [
+            *(["train fewer tensors always"] * self.pinned),
+            *(["use fewer `probe_steps`"] * self.fixed_windows),
+            "fit longer",
+            *([] if none else ["ask less"]),
+        ]
+        advice = changes[0] if len(changes) == 1 else f"{', '.join(changes[:-1])}, or {changes[-1]}"
         return (
             f"`speedup` must be at most {at_most(self.reachable)} for this model on this device {self.scope}: the "
             "forward pass and the parts of a step that every selection pays (at least the `train_always` tensors, or "
-            f"one tensor) take {self.floor:.0%} of a full step. {advice}. Found: {speedup!r}"
+            f"one tensor) take {self.floor:.0%} of a full step{', so no speedup is within reach' if none else ''}. "
+            f"{advice[0].upper()}{advice[1:]}. Found: {speedup!r}"
         )
 
     def warning(self, speedup: float) -> str | None:

@@ -76,7 +76,7 @@ def test_reach_refuses_what_it_cannot_reach_and_warns_about_what_profiling_alone
         f"`speedup` must be at most {at_most(fit.reachable)} for this model on this device in a fit of 40 steps with "
         "8 probe steps at full cost: the forward pass and the parts of a step that every selection pays (at least "
         "the `train_always` tensors, or one tensor) take 43% of a full step. Train fewer tensors always, use fewer "
-        "`probe_steps`, a longer fit, or a lower speedup. Found: 3.0"
+        "`probe_steps`, fit longer, or ask less. Found: 3.0"
     )
     between = (fit.this_fit + fit.reachable) / 2
     assert fit.check(between) == (
@@ -130,8 +130,8 @@ def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_sele
 @pytest.mark.parametrize(
     ("pinned", "fixed_windows", "advice"),
     [
-        (True, True, "Train fewer tensors always, use fewer `probe_steps`, a longer fit, or a lower speedup."),
-        (False, True, "use fewer `probe_steps`, a longer fit, or a lower speedup."),
+        (True, True, "Train fewer tensors always, use fewer `probe_steps`, fit longer, or ask less."),
+        (False, True, "Use fewer `probe_steps`, fit longer, or ask less."),
         (False, False, "Fit longer, or ask less."),
     ],
 )
@@ -139,6 +139,16 @@ def test_the_refusal_advises_only_the_settings_the_user_chose(pinned: bool, fixe
     fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=14.0, full_step=7.0)
     refusal = dataclasses.replace(fit, pinned=pinned, fixed_windows=fixed_windows).refusal(3.0)
     assert refusal is not None and refusal.endswith(f"take 43% of a full step. {advice} Found: 3.0")
+
+
+def test_a_refusal_where_no_speedup_is_in_reach_does_not_advise_asking_less() -> None:
+    """At "at most 1.00" the refusal advised "a lower speedup", which the constructor refuses (it must be above 1)."""
+    fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, 0.0, 7.0)
+    refusal = dataclasses.replace(fit, reachable=1.004, pinned=False).refusal(1.5)
+    assert refusal is not None and refusal.startswith("`speedup` must be at most 1.00 ")
+    assert refusal.endswith(
+        "take 43% of a full step, so no speedup is within reach. Use fewer `probe_steps`, or fit longer. Found: 1.5"
+    )
 
 
 def test_a_first_window_cut_to_its_warm_up_steps_keeps_a_later_window_that_times_the_full_step() -> None:
