@@ -128,7 +128,7 @@ class Settings:
         Traceback (most recent call last):
         ...
         lightning_elastic.errors.ElasticConfigError: `speedup` must be a finite number > 1. Found: 0.5; \
-`resolution` must be a positive int. Found: 0
+`resolution` must be a positive int of at most 100000. Found: 0
     """
 
     speedup: float

@@ -132,7 +132,7 @@ def test_unreachable_speedup_fails_before_training_with_the_largest_reachable() 
         ({"bn_policy": "off"}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"),
         ({"train_always": "fc.*"}, r"`train_always` must be a list of non-empty name patterns. Found: 'fc.\*'"),
         ({"train_never": 5}, r"`train_never` must be a list of non-empty name patterns. Found: 5"),
-        ({"resolution": 0}, r"`resolution` must be a positive int. Found: 0"),
+        ({"resolution": 0}, r"`resolution` must be a positive int of at most 100000. Found: 0"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], message: str) -> None:

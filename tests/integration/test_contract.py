@@ -550,7 +550,7 @@ def test_an_unreachable_contract_is_refused_before_training() -> None:
     with pytest.raises(
         ElasticConfigError,
         match=r"`speedup` must be at most 1\.\d\d for this model on this device in a fit of 24 steps with 12 probe "
-        r"steps at full cost: .* use fewer `probe_steps`, .* Found: 1.9",
+        r"steps at full cost: .* Use fewer `probe_steps`, .* Found: 1.9",
     ):
         tiny_trainer(callbacks=[callback, Steps()], max_epochs=3).fit(TinyNet(), tiny_data())
     assert trained == []

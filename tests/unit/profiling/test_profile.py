@@ -88,6 +88,9 @@ def test_predict_and_from_dict_validate() -> None:
         TimingProfile.from_dict({**data, "t_dy": [0.0]})
     with pytest.raises(ValueError, match="finite number >= 0"):
         TimingProfile.from_dict({**data, "t_full": -1.0})
+    # a forward longer than its step: a busy machine's timings, refused (a cache entry of them is measured again)
+    with pytest.raises(ValueError, match=r"`t_fw` must be at most `t_full` \(the forward is part of the step\), got 8.0"):
+        TimingProfile.from_dict({**data, "t_fw": 8.0})
 
 
 class _Switchable(nn.Module):
