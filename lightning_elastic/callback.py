@@ -176,7 +176,7 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        check_parameters(pl_module)  # after the module's `setup` and `configure_model`, which may build its layers
+        check_parameters(trainer, pl_module)  # after `setup` and `configure_model`, which may build its layers
 
     # ------------------------------------------------------------------ 1. profile and 2. plan, as training starts
 

@@ -22,6 +22,16 @@ class ElasticConfigError(ValueError):
     """
 
 
+def one_closure(found: str) -> ElasticConfigError:
+    """The refusal of an optimizer that evaluates its closure (the training step) more than once an optimizer step,
+    as the fit starts (LBFGS, by type) or at its second evaluation (any other)."""
+    return ElasticConfigError(
+        "`ElasticTensorSelection` needs an optimizer that runs the training step once per optimizer step (it measures "
+        "each update's importance and time around it; LBFGS runs it up to `max_iter` times): use another optimizer, "
+        f"or train without the callback. Found: {found}"
+    )
+
+
 class SpeedupOutOfReach(ElasticConfigError):
     """The `ElasticConfigError` of a `speedup` that this model, device and fit cannot reach, raised before the first
     update: `reachable` is the largest one that they can, rounded down as the message gives it, for a caller that

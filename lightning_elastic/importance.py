@@ -129,6 +129,11 @@ class ImportanceEvaluator:
         """Optimizer steps counted in the window (``after_step()`` calls since the last ``reset()``)."""
         return self._window.steps
 
+    @property
+    def in_step(self) -> bool:
+        """Whether ``before_step()`` was called and its ``after_step()`` is still to come."""
+        return self._open is not None
+
     @torch.no_grad()
     def before_step(self) -> None:
         """Settle the previous update with the current gradients and copy the weights about to change.

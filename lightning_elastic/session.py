@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_elastic.arguments import Settings
 from lightning_elastic.distributed import SelectiveAllReduce, any_rank
+from lightning_elastic.errors import one_closure
 from lightning_elastic.freezing import (
     CompiledCodes,
     apply_bn_policy,
@@ -289,6 +290,8 @@ class FitSession:
         refuse_changed(self.params, expected, self.names)
 
     def before_optimizer_step(self) -> None:
+        if self.evaluator.in_step:  # the optimizer evaluates its closure again within the step
+            raise one_closure("a second training step within one optimizer step")
         self.clock.overhead.start()
         if self.unprofiled and (used := [n for n, p in self.unprofiled.items() if p.grad is not None]):
             self.unprofiled = {}  # said once
@@ -301,7 +304,8 @@ class FitSession:
         """Measure the step that just ended (from the end of the one before) and charge it to the plan."""
         self.clock.optimizer.stop()
         self.clock.overhead.start()
-        self.evaluator.after_step()
+        if self.evaluator.in_step:  # else no update ran: an `optimizer_step` that ran the closure alone moved nothing
+            self.evaluator.after_step()
         self.clock.overhead.stop()
         seconds, overhead, optimizer, forward = self.clock.step_ended()
         self.plan.spend(seconds, steps=1)

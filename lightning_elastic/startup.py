@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_elastic import windows
 from lightning_elastic.distributed import prepare_strategy
-from lightning_elastic.errors import ElasticConfigError
+from lightning_elastic.errors import ElasticConfigError, one_closure
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
 from lightning_elastic.reach import Reach, largest_reachable, reach, reach_shortening
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from lightning_elastic.session import FitSession
 
 C = TypeVar("C", bound=Callback)
+# Optimizers whose `step(closure)` evaluates the closure (the training step and its backward pass) more than once.
+MULTI_CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
 
 
 def check_supported(trainer: L.Trainer, pl_module: L.LightningModule, kind: type[Callback]) -> None:
@@ -48,8 +50,9 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule, kind: type
         )
     if not pl_module.automatic_optimization:
         raise ElasticConfigError(
-            "`ElasticTensorSelection` needs automatic optimization (it measures importance around each "
-            "optimizer step). Found: `automatic_optimization = False`"
+            "`ElasticTensorSelection` needs automatic optimization (it measures importance and time around each "
+            "optimizer step that Lightning runs): a module that steps its optimizers itself (a GAN's two) is not "
+            "supported; train it without the callback. Found: `automatic_optimization = False`"
         )
     if torch._dynamo.compiled_autograd.compiled_autograd_enabled:
         # Enabled around the fit (`compiled_autograd._enable`): it would compile the profiler's backward passes, whose
@@ -62,9 +65,12 @@ def check_supported(trainer: L.Trainer, pl_module: L.LightningModule, kind: type
     prepare_strategy(trainer.strategy)
 
 
-def check_parameters(pl_module: L.LightningModule) -> None:
-    """Refuse, as the fit starts (after the module's `setup` and `configure_model`, which may build its layers), a
-    module with lazy parameters left or none to train."""
+def check_parameters(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Refuse, as the fit starts (after the module's `setup` and `configure_model`, which may build its layers, and
+    after the strategy made its optimizers), a module with lazy parameters left or none to train, or an optimizer
+    that evaluates its closure more than once a step."""
+    if several := [type(o).__name__ for o in trainer.optimizers if isinstance(o, MULTI_CLOSURE_OPTIMIZERS)]:
+        raise one_closure(", ".join(several))
     lazy = [n for n, p in pl_module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise ElasticConfigError(

@@ -211,6 +211,54 @@ def test_several_optimizers_are_refused() -> None:
         fit([elastic()], module=TwoOptimizers())
 
 
+class Lbfgs(TinyNet):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+class Twice(torch.optim.SGD):
+    """An optimizer of its own that evaluates the closure twice a step (a line search, as LBFGS does)."""
+
+    def step(self, closure: Any = None) -> Any:
+        closure()
+        return super().step(closure)
+
+
+def test_an_optimizer_that_runs_the_training_step_more_than_once_a_step_is_refused_not_a_crash_inside() -> None:
+    """LBFGS crashed the evaluator's order check at its second closure, after it had moved the weights: refused as
+    the fit starts, by type; another optimizer that re-evaluates its closure, at its second evaluation."""
+    module, recorder = Lbfgs(), Recorder()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ElasticConfigError, match=r"needs an optimizer that runs the training step once per .* Found: LBFGS$"):
+        fit([elastic(), recorder], module=module)
+    assert recorder.steps == [] and all(torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True))
+
+    class Repeating(TinyNet):
+        def configure_optimizers(self) -> Any:
+            return Twice(self.parameters(), lr=0.05)
+
+    with pytest.raises(ElasticConfigError, match=r"Found: a second training step within one optimizer step$"):
+        fit([elastic()], module=Repeating())
+
+
+def test_an_optimizer_step_that_runs_the_closure_alone_on_some_batches_is_a_step_without_an_update() -> None:
+    """Lightning's pattern of stepping every other batch (`optimizer_step` runs `optimizer_closure()` alone on the
+    others) advances the step count with no update: it crashed the evaluator ("after_step() without before_step()")."""
+
+    class EveryOther(TinyNet):
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            if batch_idx % 2 == 0:
+                optimizer.step(closure=optimizer_closure)
+            else:
+                optimizer_closure()
+
+    callback, plain = elastic(), elastic()
+    fit([callback], module=EveryOther(), max_epochs=3)
+    fit([plain], max_epochs=3)
+    assert [r.step for r in callback.history] == [r.step for r in plain.history] == [4, 8, 12, 16, 20]
+    assert callback.report().steps == plain.report().steps == 24
+
+
 def test_epoch_mode_selects_as_epochs_start() -> None:
     callback = elastic(interval=1, interval_unit="epoch")
     fit([callback], max_epochs=3)  # 8 optimizer steps per epoch
