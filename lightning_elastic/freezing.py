@@ -8,7 +8,7 @@ parameters keeps its state for the whole run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -28,30 +28,62 @@ BN_POLICIES: tuple[str, ...] = ("update", "freeze")
 T = TypeVar("T")
 
 
-def match_patterns(names: Sequence[str], patterns: Iterable[str], setting: str) -> tuple[bool, ...]:
-    """Which `names` match any of the shell-style `patterns` (fnmatch, case-sensitive).
+def tied_names(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The other names of each parameter that the module holds under several (weight tying), by the name that
+    `named_parameters()` gives it.
+
+    Example:
+        >>> model = nn.ModuleDict({"emb": nn.Embedding(4, 2), "out": nn.Linear(2, 4, bias=False)})
+        >>> model.out.weight = model.emb.weight
+        >>> tied_names(model)
+        {'emb.weight': ('out.weight',)}
+    """
+    first: dict[int, str] = {}
+    others: dict[str, tuple[str, ...]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            others[first[id(param)]] = (*others.get(first[id(param)], ()), name)
+        else:
+            first[id(param)] = name
+    return others
+
+
+def match_patterns(
+    names: Sequence[str], patterns: Iterable[str], setting: str, aliases: Mapping[str, Sequence[str]] | None = None
+) -> tuple[bool, ...]:
+    """Which `names` match any of the shell-style `patterns` (fnmatch, case-sensitive), by the name or by any of its
+    `aliases` (a tied parameter's other names, `tied_names`: `out.*` pins a head tied to the embedding).
 
     Raises ValueError naming `setting` when a pattern matches no name: a typo must not pass silently.
 
     Example:
         >>> match_patterns(["fc.weight", "fc.bias", "conv.weight"], ["fc.*"], "train_always")
         (True, True, False)
+        >>> match_patterns(["emb.weight", "out.bias"], ["out.*"], "train_always", {"emb.weight": ["out.weight"]})
+        (True, True)
     """
-    patterns = list(patterns)
-    unmatched = [p for p in patterns if not any(fnmatchcase(n, p) for n in names)]
+    patterns, aliases = list(patterns), aliases or {}
+    every = [(name, *aliases.get(name, ())) for name in names]
+    unmatched = [p for p in patterns if not any(fnmatchcase(n, p) for each in every for n in each)]
     if unmatched:
-        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        listed = [f"{each[0]} (also {', '.join(each[1:])})" if len(each) > 1 else each[0] for each in every]
+        shown = ", ".join(listed[:6]) + (", ..." if len(names) > 6 else "")
         raise ElasticConfigError(
             f"`{setting}` patterns must each match at least one trainable parameter name (shell-style, e.g. "
             f"'classifier.*'; names: {shown}). Found patterns matching nothing: {unmatched}"
         )
-    return tuple(any(fnmatchcase(n, p) for p in patterns) for n in names)
+    return tuple(any(fnmatchcase(n, p) for p in patterns for n in each) for each in every)
 
 
 def pins(
-    names: Sequence[str], params: Sequence[nn.Parameter], train_always: Iterable[str], train_never: Iterable[str]
+    names: Sequence[str],
+    params: Sequence[nn.Parameter],
+    train_always: Iterable[str],
+    train_never: Iterable[str],
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[Mask, Mask]:
-    """The tensors every selection trains (`train_always`) and those none trains (`train_never`, or not trainable).
+    """The tensors every selection trains (`train_always`) and those none trains (`train_never`, or not trainable);
+    patterns match a tied parameter by any of its names (`aliases`, `tied_names`).
 
     Raises:
         ElasticConfigError: a pattern that matches nothing, a tensor pinned both ways, or nothing left to train.
@@ -61,8 +93,8 @@ def pins(
         >>> pins(["weight", "bias"], [layer.weight, layer.bias], ["bias"], [])
         (Mask(flags=(False, True)), Mask(flags=(False, False)))
     """
-    required = Mask.of(match_patterns(names, train_always, "train_always"))
-    never = match_patterns(names, train_never, "train_never")
+    required = Mask.of(match_patterns(names, train_always, "train_always", aliases))
+    never = match_patterns(names, train_never, "train_never", aliases)
     forbidden = Mask.of([a or not p.requires_grad for a, p in zip(never, params, strict=True)])
     clash = [n for n, r, f in zip(names, required, forbidden, strict=True) if r and f]
     if clash:
@@ -109,7 +141,7 @@ def freeze_never(
     flags = tuple((p, p.requires_grad) for p in model.parameters())
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     trainable = [p for _, p in named]
-    _, forbidden = pins([n for n, _ in named], trainable, train_always, train_never)
+    _, forbidden = pins([n for n, _ in named], trainable, train_always, train_never, tied_names(model))
     apply_mask(trainable, [not f for f in forbidden])
     return UserState(flags, tuple(apply_bn_policy(model, bn_policy)))
 

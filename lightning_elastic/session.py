@@ -29,6 +29,7 @@ from lightning_elastic.freezing import (
     is_compiled,
     pins,
     refuse_changed,
+    tied_names,
 )
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.importance_window import LatestImportance
@@ -119,7 +120,7 @@ class FitSession:
         outside = {n: p for n, p in pl_module.named_parameters() if n not in profiled and not p.requires_grad}
         unused = set(prof.unused)
         unprofiled = {n: p for n, p in pl_module.named_parameters() if n in unused and p.requires_grad}
-        required, forbidden = pins(prof.names, params, settings.train_always, ())
+        required, forbidden = pins(prof.names, params, settings.train_always, (), tied_names(pl_module))
         check_dense(pl_module, prof.names, forbidden)
         device = pl_module.device
         return cls(

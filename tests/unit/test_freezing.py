@@ -185,3 +185,21 @@ def test_bn_policy_freeze_leaves_a_layer_the_user_put_in_eval_mode_as_it_was() -
     model[1].eval()  # e.g. a layer ours since a checkpoint, in eval mode as the resumed fit starts
     assert apply_bn_policy(model, "freeze", ["1"]) == ["1"]
     assert apply_bn_policy(model, "update", ["1"]) == [] and model[1].training and not model[0].training
+
+
+def test_patterns_match_a_tied_parameter_by_every_name_it_has() -> None:
+    """`out.weight = emb.weight`: `named_parameters()` names it `emb.weight` only, so `train_always=["out.*"]` pinned
+    the head's bias and not its weight, and `train_never=["out.weight"]` was refused as matching nothing."""
+    from lightning_elastic.freezing import tied_names
+
+    model = nn.ModuleDict({"emb": nn.Embedding(10, 4), "mid": nn.Linear(4, 4), "out": nn.Linear(4, 10)})
+    model.out.weight = model.emb.weight
+    named = list(model.named_parameters())
+    names, params = [n for n, _ in named], [p for _, p in named]
+    assert names == ["emb.weight", "mid.weight", "mid.bias", "out.bias"]
+    required, _ = pins(names, params, ["out.*"], [], tied_names(model))
+    assert required.flags == (True, False, False, True)
+    _, forbidden = pins(names, params, [], ["out.weight"], tied_names(model))
+    assert forbidden.flags == (True, False, False, False)
+    with pytest.raises(ElasticConfigError, match=r"names: emb.weight \(also out.weight\), mid.weight"):
+        pins(names, params, ["head.*"], [], tied_names(model))
