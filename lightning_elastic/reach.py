@@ -137,10 +137,11 @@ class Reach:
         if self.reachable >= speedup:
             return None
         none = float(at_most(self.reachable)) <= 1.0  # none above 1, the least one may ask: asking less is no help
+        whole = self.floor >= 1.0 - 1e-9  # the cheapest selection is a full step: no fit, however long, is faster
         changes = [
             *(["train fewer tensors always"] * self.pinned),
-            *(["use fewer `probe_steps`"] * self.fixed_windows),
-            "fit longer",
+            *(["use fewer `probe_steps`"] * (self.fixed_windows and not whole)),
+            "train this model without the callback" if whole else "fit longer",
             *([] if none else ["ask less"]),
         ]
         advice = changes[0] if len(changes) == 1 else f"{', '.join(changes[:-1])}, or {changes[-1]}"

@@ -154,6 +154,12 @@ def plan_schedule(
         steps, every, first = probes.steps, probes.every, probes.first
     else:
         steps, every, first = int(probe_steps), 1, int(probe_steps)
+    if probe_steps == "auto" and period < 2:
+        return ScheduleRefusal(
+            "`interval` must leave at least 2 optimizer steps between two selections, a probe step and one to train "
+            f"(an `interval` of 2 or more, or longer epochs). Found: `interval` {interval} x "
+            f"{'steps per epoch' if unit == 'epoch' else '1 step'} = {period:g}"
+        )
     if period <= steps or steps < 1:
         return ScheduleRefusal(
             f"`probe_steps` must be fewer than the optimizer steps between two selections ({period:g} = "

@@ -78,7 +78,7 @@ def suffix_times(
         warnings.warn(
             f"Profiling: repeated timings of the same step differ too much ({len(quiet)} of the rounds between "
             f"quiet forward passes, after {len(rounds)} rounds): something else is using this device, and the "
-            "time model may be off. Profile on a quiet machine, or give more `repeats`.",
+            "time model may be off. Profile on a quiet machine (or give `profile()` more `repeats`).",
             stacklevel=4,
         )
     kept = quiet or list(range(len(rounds)))

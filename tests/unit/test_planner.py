@@ -265,7 +265,6 @@ def test_plan_schedule_sizes_auto_windows_within_the_period() -> None:
     [
         (2, "step", 3, math.inf, "(2 = `interval` 2 x 1 step). Found: 3"),
         (1, "epoch", 8, (8,), "(8 = `interval` 1 x steps per epoch). Found: 8"),
-        (1, "step", "auto", math.inf, "(1 = `interval` 1 x 1 step). Found: auto"),
     ],
 )
 def test_plan_schedule_refuses_windows_that_fill_the_period(
@@ -274,6 +273,15 @@ def test_plan_schedule_refuses_windows_that_fill_the_period(
     refusal = plan_schedule(interval, unit, probe_steps, 2.0, lengths, total_steps=100)  # type: ignore[arg-type]
     assert refusal == ScheduleRefusal(
         f"`probe_steps` must be fewer than the optimizer steps between two selections {expected}"
+    )
+
+
+def test_a_step_interval_of_1_with_auto_windows_is_refused_by_its_interval() -> None:
+    """It said "`probe_steps` must be fewer than ... Found: auto", of a setting the user had not set."""
+    refusal = plan_schedule(1, "step", "auto", 2.0, math.inf, total_steps=100)
+    assert refusal == ScheduleRefusal(
+        "`interval` must leave at least 2 optimizer steps between two selections, a probe step and one to train (an "
+        "`interval` of 2 or more, or longer epochs). Found: `interval` 1 x 1 step = 1"
     )
 
 

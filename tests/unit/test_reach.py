@@ -188,3 +188,12 @@ def test_the_largest_reachable_speedup_is_the_largest_hundredth_a_fit_planned_at
     found = reach_module.largest_reachable(reach_at, asked)
     assert at_most(found.reachable) == f"{brute / 100:.2f}"
     assert found.scope == reach_at(brute / 100).scope  # the probe steps of the fit planned at that speedup
+
+
+def test_a_refusal_where_the_cheapest_selection_is_a_full_step_does_not_advise_fitting_longer() -> None:
+    """One trainable tensor (a bias-free Linear): every selection trains it, so no fit of any length is faster."""
+    whole = StepTimeModel(t_dw=(1.0,), t_dy=(0.0,), t_fixed=2.0)
+    fit = reach(whole, [False], [False], Schedule(10, "step", 2, total_steps=40), 40, 0.0, whole.full)
+    refusal = dataclasses.replace(fit, pinned=False).refusal(2.0)
+    assert fit.floor == 1.0 and refusal is not None
+    assert refusal.endswith("so no speedup is within reach. Train this model without the callback. Found: 2.0")
