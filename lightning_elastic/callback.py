@@ -253,7 +253,7 @@ class ElasticTensorSelection(Callback):
         fit.allreduce = install_selective_allreduce(trainer.strategy)
         run_on = fit.warmup.run_on_limit(fit.schedule.first_steps) if fit.in_first_window else 0  # none once resumed
         own = limit.own_share(settings.speedup) if fit.in_first_window else None  # a resumed fit's is spent
-        reporting.announce(trainer, prof, settings.speedup, total_steps, fit.schedule, run_on, own)
+        reporting.announce(trainer, prof, settings.speedup, total_steps, fit.schedule, run_on, own, timed)
         fit.charge_start(profile_seconds + settings.clock() - started)
         return fit
 

@@ -63,18 +63,20 @@ def start_message(
     schedule: Schedule,
     run_on: int = 0,
     own_share: float | None = None,
+    timed: bool = True,
 ) -> str:
-    r"""What the fit starts with: the profile's figures, the target and the schedule, the steps its first window
-    may `run_on` while the process warms up (`warmup.FirstWindow.run_on_limit`), and elastic's own time as planned
-    (`reach.Reach.own_share`; None: not known), said when it is over `windows.OWN_SHARE` as the summary rounds it.
+    r"""What the fit starts with: the profile's figures (`timed` in this run, or read: cached, given, restored), the
+    target and the schedule, the steps its first window may `run_on` while the process warms up
+    (`warmup.FirstWindow.run_on_limit`), and elastic's own time as planned (`reach.Reach.own_share`; None: not
+    known), said when it is over `windows.OWN_SHARE` as the summary rounds it.
 
     Example:
         >>> p = TimingProfile(names=("a",), t_dw=(0.002,), t_dy=(0.0,), t_fw=0.004, t_full=0.007,
         ...     device="cpu", fingerprint="f", unused=(), method="measured", numel=(9,))
         >>> print(start_message(p, 2.0, 120, Schedule(1, "epoch", 3)).replace("; ", "\n"))
-        ElasticTensorSelection: 1 tensors profiled on cpu (full forward+backward 7.0 ms, forward 4.0 ms)
+        ElasticTensorSelection: 1 tensor profiled on cpu (full forward+backward 7.0 ms, forward 4.0 ms)
         target speedup 2 for the fit's 120 optimizer steps
-        3 probe steps before the first selection, 3 before every 1 of the selections every 1 epoch(s)
+        3 probe steps before the first selection, then 3 before every selection (one every 1 epoch(s))
     """
     steps = "steps (length unknown: planned per interval)" if total_steps is None else f"{total_steps} optimizer steps"
     more = f" (up to {run_on} more while this process warms up)" if run_on else ""
@@ -86,12 +88,18 @@ def start_message(
             f"keeps to in longer fits with automatic `probe_steps`: they count toward the {speedup:g}x, so the "
             "selected steps have less time"
         )
+    profiled = "profiled" if timed else "profiled earlier (a profile read, not timed in this run)"
     return (
-        f"ElasticTensorSelection: {len(profile.names)} tensors profiled on {profile.device} (full forward+backward "
-        f"{profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup {speedup:g} for "
-        f"the fit's {steps}; {schedule.first_steps} probe steps before the first selection{more}, {_later(schedule)}"
-        f"{own}"
+        f"ElasticTensorSelection: {_count(len(profile.names), 'tensor')} {profiled} on {profile.device} (full "
+        f"forward+backward {profile.t_full * 1e3:.1f} ms, forward {profile.t_fw * 1e3:.1f} ms); target speedup "
+        f"{speedup:g} for the fit's {steps}; {_count(schedule.first_steps, 'probe step')} before the first selection"
+        f"{more}, {_later(schedule)}{own}"
     )
+
+
+def _count(n: int, thing: str) -> str:
+    """`n` things, in words: "1 tensor", "3 tensors"."""
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def _later(schedule: Schedule) -> str:
@@ -99,15 +107,16 @@ def _later(schedule: Schedule) -> str:
 
     Example:
         >>> _later(Schedule(1, "epoch", 1, steps_per_epoch=32, probe_every=4, total_steps=128))
-        'no window before the 3 selections after it (every 1 epoch(s))'
+        'no window before the 3 selections after it (one every 1 epoch(s))'
+        >>> _later(Schedule(20, "step", 1, probe_every=3))
+        'then 1 before one selection in 3 (one every 20 step(s))'
     """
     later = None if schedule.selections is None else schedule.selections - 1
+    every = f"(one every {schedule.interval} {schedule.unit}(s))"
     if later is not None and schedule.probe_every > later:
-        return f"no window before the {later} selections after it (every {schedule.interval} {schedule.unit}(s))"
-    return (
-        f"{schedule.probe_steps} before every {schedule.probe_every} of the selections every {schedule.interval} "
-        f"{schedule.unit}(s)"
-    )
+        return f"no window before the {_count(later, 'selection')} after it {every}"
+    which = "every selection" if schedule.probe_every == 1 else f"one selection in {schedule.probe_every}"
+    return f"then {schedule.probe_steps} before {which} {every}"
 
 
 def announce(
@@ -118,9 +127,10 @@ def announce(
     schedule: Schedule,
     run_on: int,
     own_share: float | None,
+    timed: bool = True,
 ) -> None:
-    """The start message to the console; the profile's table and the charts to TensorBoard."""
-    rank_zero_info(start_message(profile, speedup, total_steps, schedule, run_on, own_share))
+    """The start message to the console (`start_message`); the profile's table and the charts to TensorBoard."""
+    rank_zero_info(start_message(profile, speedup, total_steps, schedule, run_on, own_share, timed))
     for writer in tensorboard_writers(trainer):
         writer.add_text("elastic/profile", profile_table(profile), trainer.global_step)
         writer.add_custom_scalars(CHARTS)

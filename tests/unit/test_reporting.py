@@ -159,9 +159,12 @@ def test_top_importance_is_tagged_by_name_and_skips_not_a_number() -> None:
 def test_start_message_names_the_profile_the_target_and_the_schedule() -> None:
     assert start_message(PROFILE, 1.5, 240, Schedule(20, "step", 4, probe_every=3, first_probe_steps=6)) == (
         "ElasticTensorSelection: 3 tensors profiled on cpu (full forward+backward 12.5 ms, forward 4.0 ms); target "
-        "speedup 1.5 for the fit's 240 optimizer steps; 6 probe steps before the first selection, 4 before every 3 "
-        "of the selections every 20 step(s)"
+        "speedup 1.5 for the fit's 240 optimizer steps; 6 probe steps before the first selection, then 4 before one "
+        "selection in 3 (one every 20 step(s))"
     )
+    read = start_message(PROFILE, 1.5, 240, Schedule(20, "step", 1, first_probe_steps=0), timed=False)
+    assert read.startswith("ElasticTensorSelection: 3 tensors profiled earlier (a profile read, not timed in this run) on cpu")
+    assert "; 1 probe step before the first selection, then 1 before every selection (one every 20 step(s))" in read
     assert "for the fit's steps (length unknown: planned per interval);" in start_message(
         PROFILE, 2.0, None, Schedule(1, "epoch", 4)
     )
