@@ -97,6 +97,16 @@ def start_message(
     )
 
 
+def _per_step(target: float) -> str:
+    """A step target in words: "12.5 ms a step", or none when the plan has spent more than it had (a target below 0).
+
+    Example:
+        >>> _per_step(0.0125), _per_step(-0.0098)
+        ('12.5 ms a step', 'no time for the steps ahead')
+    """
+    return f"{target * 1e3:.1f} ms a step" if target >= 0 else "no time for the steps ahead"
+
+
 def _count(n: int, thing: str) -> str:
     """`n` things, in words: "1 tensor", "3 tensors"."""
     return f"{n} {thing}{'' if n == 1 else 's'}"
@@ -183,7 +193,7 @@ def selection_metrics(
         "elastic/selected_elements_fraction": mask.elements(numel) / sum(numel),
         "elastic/predicted_step_ms": record.decision.predicted_seconds * 1e3,
         "elastic/full_step_ms": record.full_seconds * 1e3,
-        "elastic/target_step_ms": record.decision.target_seconds * 1e3,
+        "elastic/target_step_ms": max(record.decision.target_seconds, 0.0) * 1e3,  # 0: the plan has no time left
         "elastic/optimizer_ms": optimizer_seconds * 1e3,
         "elastic/loop_ms": loop_seconds * 1e3,
         "elastic/select_ms": select_seconds * 1e3,
@@ -317,7 +327,7 @@ def starved_warning(
             f"reaches about {at_most(reachable)}x."
         )
     return (
-        f"ElasticTensorSelection: at step {step} the plan leaves {decision.target_seconds * 1e3:.1f} ms a step "
+        f"ElasticTensorSelection: at step {step} the plan leaves {_per_step(decision.target_seconds)} "
         f"(full step {terms.full * 1e3:.1f} ms, {plan.spent:.1f} s spent of {plan.planned():.1f} s planned); "
         f"the cheapest selection takes {decision.predicted_seconds * 1e3:.1f} ms, so this interval spends more "
         f"than its share of `speedup` {plan.speedup!r} (largest per-step speedup: {at_most(largest)}x). {outcome}"
@@ -343,9 +353,10 @@ def selection_text(record: SelectionRecord, names: Sequence[str]) -> str:
     if len(trained) > TEXT_NAMES:
         trained = [label for label, _, _ in module_rows(trained, max_rows=TEXT_MODULES)]
     shown = ", ".join(trained)
+    target = f"{decision.target_seconds * 1e3:.1f} ms" if decision.target_seconds >= 0 else "none (no time left)"
     return (
         f"step {record.step}, epoch {record.epoch}: {mask.count(True)}/{len(mask)} tensors trained; predicted step "
-        f"{decision.predicted_seconds * 1e3:.1f} ms for a target of {decision.target_seconds * 1e3:.1f} ms "
+        f"{decision.predicted_seconds * 1e3:.1f} ms for a target of {target} "
         f"(full step {record.full_seconds * 1e3:.1f} ms).  \n{shown}"
     )
 

@@ -370,3 +370,19 @@ def test_a_selection_is_logged_to_every_logger_and_drawn_for_each_tensorboard_wr
 
 def test_the_table_of_a_fit_with_no_step_says_so_not_nan() -> None:
     assert fit_summary((), None, {}, (), (), 2.0).table() == "  no training step measured (asked 2x)"
+
+
+def test_a_plan_that_spent_more_than_it_had_says_so_instead_of_a_negative_step_target() -> None:
+    """A warning read "the plan leaves -9.8 ms a step", the loggers -9.79 ms, the TensorBoard text "a target of
+    -9.8 ms"."""
+    decision = Decision(Mask.of([False, True]), (1.0, 2.0), 0.03, -0.0098, starved=True)
+    model = StepTimeModel(t_dw=(0.01, 0.01), t_dy=(0.0, 0.01), t_fixed=0.02)
+    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.7, full_samples=2)
+    none_ahead = Schedule(interval=1000, unit="step", probe_steps=2, total_steps=100)
+    text = starved_warning(6, decision, StepTerms(model, 0.05, 0.0, -0.0098), plan, none_ahead, [False] * 2, [False] * 2)
+    assert text.startswith("ElasticTensorSelection: at step 6 the plan leaves no time for the steps ahead (full step")
+    record = SelectionRecord(6, 0, decision, 0.05)
+    assert selection_metrics(record, plan, (4, 4), 0.0, 0.0)["elastic/target_step_ms"] == 0.0
+    assert "predicted step 30.0 ms for a target of none (no time left) (full step 50.0 ms)" in reporting.selection_text(
+        record, ["a", "b"]
+    )
