@@ -380,7 +380,8 @@ class ElasticTensorSelection(Callback):
     def _close_interval(self, trainer: L.Trainer, fit: FitSession) -> None:
         """The last selection's measured steps: into its record, into the plan's correction, to the loggers."""
         if (record := fit.close_interval()) is not None:
-            reporting.log_metrics(trainer, reporting.interval_metrics(record, fit.plan, fit.allreduce))
+            metrics = reporting.interval_metrics(record, fit.plan, fit.allreduce)
+            reporting.log_metrics(trainer, metrics, step=trainer.global_step - 1)  # the interval's last step
 
     # ------------------------------------------------------------------ 6. inspect: the fit's summary
 

@@ -30,11 +30,11 @@ TEXT_NAMES = 24  # trained tensors named one by one in a selection's text; beyon
 TEXT_MODULES = 8  # ... at most this many
 
 
-def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Finite `metrics` to every logger of `trainer`, at the current global step."""
+def log_metrics(trainer: L.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+    """Finite `metrics` to every logger of `trainer`, at global step `step` (default: the current one)."""
     clean = {k: v for k, v in metrics.items() if math.isfinite(v)}
     for logger in trainer.loggers:
-        logger.log_metrics(clean, step=trainer.global_step)
+        logger.log_metrics(clean, step=trainer.global_step if step is None else step)
 
 
 def tensorboard_writers(trainer: L.Trainer) -> list[Any]:
@@ -149,7 +149,9 @@ def announce(
 def interval_metrics(
     record: SelectionRecord, plan: WallClockPlan, allreduce: SelectiveAllReduce | None
 ) -> dict[str, float]:
-    """An interval that closed: its measured against its predicted step, the contract, and DDP's all-reduce share.
+    """An interval that closed: its measured against its predicted step, the contract, and DDP's all-reduce share;
+    logged at the interval's last step, so that the next selection's figures (`selection_metrics`, at the step it comes
+    into force) are not a second value of `elastic/predicted_step_ms` at the same step.
 
     Example:
         >>> rec = SelectionRecord(0, 0, Decision(Mask.of([True]), (1.0,), 0.1, 0.1), 0.2, measured_seconds=(0.125,))

@@ -346,6 +346,15 @@ def test_metrics_reach_every_logger_and_tensorboard(tmp_path: Path) -> None:
         assert metrics["elastic/selected_fraction"] == record.mask.count(True) / len(record.mask)
         assert metrics["elastic/predicted_step_ms"] == pytest.approx(record.decision.predicted_seconds * 1e3)
     assert any("elastic/measured_speedup" in m for _, m in memory.metrics)
+    # an interval's figures at its last step, the next selection's at the step it comes into force: never two values
+    # of one metric at one step (the chart of predicted against measured steps jumped at every selection)
+    seen: dict[tuple[int, str], float] = {}
+    for step, metrics in memory.metrics:
+        for name, value in metrics.items():
+            if name.startswith("elastic/"):
+                assert seen.setdefault((step, name), value) == value, (step, name)
+    closed = [step for step, m in memory.metrics if "elastic/measured_step_ms" in m]
+    assert closed and all(step + 1 in {r.step for r in callback.history} or step == 15 for step in closed), closed
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(board.log_dir), size_guidance={"images": 0, "tensors": 0, "histograms": 0})
