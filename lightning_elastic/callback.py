@@ -11,7 +11,7 @@ The callback is the method's table of contents; each step lives in its own modul
 4. select   (`selector.decide`)               the exact DP under the plan's step target and `time_model`
                                                 (`terms.step_terms`), re-planned when steps run off it;
 5. apply    (`freezing`)                      `requires_grad` on or off, so autograd does less work;
-6. inspect  (`reporting`, `inspection`)       what was trained when, and what it cost, to every logger.
+6. inspect  (`reporting`, `inspection`)       what it cost to every logger; what was trained when to TensorBoard.
 
 `schedule.Schedule` says when probe windows open and selections happen; `session.FitSession` holds one fit's state
 (timers, importance, the plan, what was selected) and is what checkpoints save.
@@ -73,10 +73,10 @@ class ElasticTensorSelection(Callback):
             the planned fit, counted in whole steps (the first window long enough to time steady full steps when the
             fit can pay for it); or the steps of every window, each full training steps that measure every tensor's
             importance.
-        time_model: "measured" (per-tensor times profiled on this device, about 6-7 training steps), "flops" (op
-            counts scaled to one timed step, about 3), or "auto" (default): measured when it costs at most 5% of the
-            planned fit (a share that shrinks above 2x with the room a step has above its forward pass: none from
-            3x) or a measured profile is cached, else flops.
+        time_model: "measured" (per-tensor times profiled on this device, about 7 training steps, 6 beyond the
+            fit's first), "flops" (op counts scaled to one timed step, about 3, 2 beyond the first), or "auto"
+            (default): measured when it costs at most 5% of the planned fit (a share that shrinks above 2x with the
+            room a step has above its forward pass: none from 3x) or a measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.
