@@ -151,13 +151,28 @@ class FitSummary:
             f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit): profile {self.profile_seconds:.1f} s, "
             f"probes {self.probe_seconds:.1f} s ({self.probe_steps} full steps), selections "
             f"{self.select_seconds + self.apply_seconds:.2f} s ({self.selections}, {self.replans} re-planned)",
-            f"  trained            {self.selected_fraction:.0%} of tensors, {self.selected_elements_fraction:.0%} of "
-            f"parameter elements at the last selection",
+            f"  trained            {percent(self.selected_fraction)} of tensors, "
+            f"{percent(self.selected_elements_fraction)} of parameter elements at the last selection",
             f"  most often trained {trained}",
         ]
         if self.shortfall:
             lines.append(f"  why not met        {self.shortfall}")
         return "\n".join(lines)
+
+
+def percent(fraction: float) -> str:
+    """`fraction` as a percentage that says 100% only of all and 0% only of none (a frozen tensor of 0.2% of the
+    elements read "100% of parameter elements").
+
+    Example:
+        >>> percent(0.5), percent(0.9977), percent(0.99999), percent(0.001), percent(1.0)
+        ('50%', '99.8%', '>99.9%', '0.1%', '100%')
+    """
+    shown = f"{fraction:.0%}"
+    if fraction in (0.0, 1.0) or shown not in ("0%", "100%") or math.isnan(fraction):
+        return shown
+    shown = f"{fraction:.1%}"
+    return shown if shown not in ("0.0%", "100.0%") else ("<0.1%" if fraction < 0.5 else ">99.9%")
 
 
 def fit_summary(

@@ -102,6 +102,8 @@ def profile(
         if signature is None:
             runner.progress(1, PHASES, "the step's fingerprint (one forward and backward pass)")
             signature = runner.signature()
+        else:  # phases 2 and 3 follow and are numbered so
+            runner.progress(1, PHASES, "the step's fingerprint, taken from the training step that just ran")
         for looked_up in dict.fromkeys((*cached_first, method)):  # a bad entry of one only asked first: no warning
             fingerprint = cache_key(signature, runner.device, runner.candidates, looked_up)
             path = None if cache_dir is None else cache_file(Path(cache_dir), fingerprint)

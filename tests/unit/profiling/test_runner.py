@@ -314,6 +314,10 @@ def test_each_phase_is_announced_once_and_a_cached_profile_ends_after_the_finger
         "1 plain warm-up step(s), then one pass counting each op's work",
         "plain timings of a full step, 1 or more rounds",
     ]
+    phases.clear()  # the fingerprint of the step that just ran (the fit's first): phase 1 is said too, not skipped
+    profile(net, lambda: net(x).sum(), method="flops", clock=clock, signature={"step": "ran"}, progress=record)
+    assert [k for k, _, _ in phases] == [1, 2, 3]
+    assert phases[0] == (1, 3, "the step's fingerprint, taken from the training step that just ran")
 
 
 def test_the_fit_prints_one_line_per_profiling_phase(caplog: pytest.LogCaptureFixture) -> None:
