@@ -78,7 +78,8 @@ def profile(
         The `TimingProfile`.
 
     Raises:
-        ValueError: unknown ``method``, bad ``warmup``/``repeats``, no parameter requires grad, or
+        ValueError: unknown ``method``, bad ``warmup``, ``repeats``, ``cache_dir`` or ``clock``, no parameter that
+            requires grad, or
             ``compute_loss`` does not return a scalar that requires grad.
         TypeError: ``model`` is not a module or ``compute_loss`` is not callable.
 
@@ -96,6 +97,10 @@ def profile(
     for arg, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{arg}` must be an int >= {low}. Found: {value!r}")
+    if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir)):
+        raise ValueError(f"`cache_dir` must be a directory path, or None (no cache). Found: {cache_dir!r}")
+    if clock is not None and not callable(clock):
+        raise ValueError(f"`clock` must be a callable returning seconds, or None. Found: {clock!r}")
     with _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
         runner.progress = progress or runner.progress
