@@ -226,7 +226,7 @@ def test_resume_keeps_the_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     shares: list[float | None] = []
 
     def slow_announce(*args: Any) -> None:
-        shares.append(args[-1])
+        shares.append(args[6])  # own_share, then whether the profile was timed
         device.now += 100.0
         own_announce(*args)
 
