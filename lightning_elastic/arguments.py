@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -155,7 +155,7 @@ class Settings:
         """
         for name in ("train_always", "train_never"):  # an iterator is read once, here: not used up by the checks
             patterns = arguments[name]
-            if isinstance(patterns, Iterable) and not isinstance(patterns, (str, bytes, Mapping)):
+            if isinstance(patterns, Iterator):  # a list is shown as given in a refusal
                 arguments = {**arguments, name: tuple(patterns)}
         if problems := constructor_problems(**arguments):
             raise ElasticConfigError("; ".join(problems))

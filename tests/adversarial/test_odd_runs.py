@@ -368,7 +368,7 @@ def test_cpu_precisions_select_on_schedule_with_finite_importance(precision: str
         ({"train_never": [""]}, r"`train_never` must be a list of non-empty name patterns. Found: \[''\]"),
         ({"train_always": [1]}, r"`train_always` must be a list of non-empty name patterns. Found: \[1\]"),
         ({"bn_policy": None}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: None"),
-        ({"resolution": 10.5}, r"`resolution` must be a positive int. Found: 10.5"),
+        ({"resolution": 10.5}, r"`resolution` must be a positive int of at most 100000. Found: 10.5"),
         ({"profile": 3}, r"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: 3"),
         ({"calibrate": "yes"}, r"`calibrate` must be True or False. Found: 'yes'"),
         ({"log_images": 1}, r"`log_images` must be True or False. Found: 1"),
