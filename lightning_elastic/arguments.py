@@ -96,12 +96,15 @@ def constructor_problems(
         problems.append(f"`bn_policy` must be one of {BN_POLICIES}. Found: {bn_policy!r}")
     if not is_positive_int(resolution) or int(resolution) > MAX_RESOLUTION:  # type: ignore[call-overload]
         problems.append(f"`resolution` must be a positive int of at most {MAX_RESOLUTION}. Found: {resolution!r}")
-    if cache_dir not in (None, False) and (not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir)):
+    if cache_dir is not None and cache_dir is not False and (  # not `in (None, False)`: 0 == False
+        not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir)
+    ):
         problems.append(f"`cache_dir` must be a directory path, None (the user cache) or False. Found: {cache_dir!r}")
     if profile is not None and not isinstance(profile, (TimingProfile, str, os.PathLike)):
         problems.append(f"`profile` must be a TimingProfile, a path to one saved as JSON, or None. Found: {profile!r}")
     elif isinstance(profile, (str, os.PathLike)) and not (os.fspath(profile) and os.path.isfile(profile)):
-        problems.append(f"`profile` must be the path of a saved timing profile. Found: {profile!r} (no such file)")
+        missing = "not a file" if os.fspath(profile) and os.path.isdir(profile) else "no such file"
+        problems.append(f"`profile` must be the path of a saved timing profile. Found: {profile!r} ({missing})")
     for name, flag in (("calibrate", calibrate), ("log_images", log_images)):
         if not isinstance(flag, (bool, np_bool)):
             problems.append(f"`{name}` must be True or False. Found: {flag!r}")

@@ -73,8 +73,8 @@ class ElasticTensorSelection(Callback):
             the planned fit, counted in whole steps (the first window long enough to time steady full steps when the
             fit can pay for it); or the steps of every window, each full training steps that measure every tensor's
             importance.
-        time_model: "measured" (per-tensor times profiled on this device, about 7 training steps, 6 beyond the
-            fit's first), "flops" (op counts scaled to one timed step, about 3, 2 beyond the first), or "auto"
+        time_model: "measured" (per-tensor times profiled on this device, about 7 training steps: 6 beyond the
+            fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3), or "auto"
             (default): measured when it costs at most 5% of the planned fit (a share that shrinks above 2x with the
             room a step has above its forward pass: none from 3x) or a measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
@@ -199,7 +199,7 @@ class ElasticTensorSelection(Callback):
         prof = reusable_profile(trainer, pl_module, settings.profile, restored, self._profile, choice)
         timed = False
         if prof is None:
-            choice.announce(pl_module, settings.speedup, cached=settings.cache_dir is not False)
+            choice.announce(pl_module, settings.speedup, cache_on=settings.cache_dir is not False)
             if first_step:
                 self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started)  # see FirstStep
                 return
@@ -381,7 +381,7 @@ class ElasticTensorSelection(Callback):
         """The last selection's measured steps: into its record, into the plan's correction, to the loggers."""
         if (record := fit.close_interval()) is not None:
             metrics = reporting.interval_metrics(record, fit.plan, fit.allreduce)
-            reporting.log_metrics(trainer, metrics, step=trainer.global_step - 1)  # the interval's last step
+            reporting.log_metrics(trainer, metrics, step=trainer.global_step - 1)  # before the next selection
 
     # ------------------------------------------------------------------ 6. inspect: the fit's summary
 

@@ -138,12 +138,13 @@ class Reach:
             return None
         none = float(at_most(self.reachable)) <= 1.0  # none above 1, the least one may ask: asking less is no help
         whole = self.floor >= 1.0 - 1e-9  # the cheapest selection is a full step: no fit, however long, is faster
+        per_step = self.total_steps is None  # a limit of each step: neither windows nor the fit's length move it
         changes = [
             *(["train fewer tensors always"] * self.pinned),
-            *(["use fewer `probe_steps`"] * (self.fixed_windows and not whole)),
-            "train this model without the callback" if whole else "fit longer",
+            *(["use fewer `probe_steps`"] * (self.fixed_windows and not whole and not per_step)),
+            *(["train this model without the callback"] if whole else [] if per_step else ["fit longer"]),
             *([] if none else ["ask less"]),
-        ]
+        ] or ["train this model without the callback"]
         advice = changes[0] if len(changes) == 1 else f"{', '.join(changes[:-1])}, or {changes[-1]}"
         return (
             f"`speedup` must be at most {at_most(self.reachable)} for this model on this device {self.scope}: the "
@@ -238,8 +239,10 @@ def largest_reachable(reach_at: Callable[[float], Reach | None], limit: Reach) -
     `limit` is what it reaches planned at the speedup asked (out of its reach), `reach_at(s)` what it reaches planned
     at `s` (None: no schedule at `s`). Auto windows are sized to the plan: a lower speedup plans a longer fit, whose
     own-time share pays for more probe steps, so a fit asking for `limit.reachable` may reach less than that (a
-    refusal naming it was refused again when asked for it). Bisection over hundredths from 1 to `limit.reachable`;
-    the figure returned is the hundredth found, which `at_most` shows as it is. `limit` when even 1.01 is out of reach.
+    refusal naming it was refused again when asked for it). Which speedups reach themselves is not monotone (each
+    count of probe steps has its band), so the hundredths are walked down from `limit.reachable`, each step to what
+    the one above it reaches; the figure returned is the hundredth found, which `at_most` shows as it is. `limit`
+    when even 1.01 is out of reach.
 
     Example:
         >>> def reach_at(s):  # more probe steps as the speedup falls: 3x reaches 2.65x, 2.65x 2.60x, 2.6x 2.596x
@@ -247,23 +250,14 @@ def largest_reachable(reach_at: Callable[[float], Reach | None], limit: Reach) -
         >>> at_most(reach_at(3.0).reachable), at_most(largest_reachable(reach_at, reach_at(3.0)).reachable)
         ('2.65', '2.59')
     """
-
-    def meets(hundredths: int) -> Reach | None:
+    hundredths = math.floor(limit.reachable * 100)
+    while hundredths >= 101:
         at = reach_at(hundredths / 100)
-        return at if at is not None and at.reachable >= hundredths / 100 else None
-
-    low, high = 101, math.floor(limit.reachable * 100)
-    if high < low or (found := meets(low)) is None:
-        return limit
-    if (top := meets(high)) is not None:
-        low, found = high, top
-    while high - low > 1:  # `low` is met, `high` is not (or is `low + 1`)
-        middle = (low + high) // 2
-        if (at := meets(middle)) is not None:
-            low, found = middle, at
-        else:
-            high = middle
-    return replace(found, reachable=low / 100 + 1e-9)  # `at_most` shows `low / 100`, which a fit asking it reaches
+        if at is not None and at.reachable >= hundredths / 100:
+            return replace(at, reachable=hundredths / 100 + 1e-9)  # `at_most` shows the hundredth, which it reaches
+        below = hundredths - 1 if at is None else math.floor(at.reachable * 100)
+        hundredths = min(hundredths - 1, below)
+    return limit
 
 
 def reach_shortening(

@@ -150,8 +150,9 @@ def interval_metrics(
     record: SelectionRecord, plan: WallClockPlan, allreduce: SelectiveAllReduce | None
 ) -> dict[str, float]:
     """An interval that closed: its measured against its predicted step, the contract, and DDP's all-reduce share;
-    logged at the interval's last step, so that the next selection's figures (`selection_metrics`, at the step it comes
-    into force) are not a second value of `elastic/predicted_step_ms` at the same step.
+    logged at the step before the next selection (the interval's last, or the last of a probe window that followed
+    it), so that the next selection's figures (`selection_metrics`, at the step it comes into force) are not a second
+    value of `elastic/predicted_step_ms` at one step.
 
     Example:
         >>> rec = SelectionRecord(0, 0, Decision(Mask.of([True]), (1.0,), 0.1, 0.1), 0.2, measured_seconds=(0.125,))
@@ -247,7 +248,7 @@ def progress_metrics(probing: bool, mask: Mask | None) -> dict[str, float]:
 def show_progress(
     pl_module: L.LightningModule, shown: dict[str, float], probing: bool, mask: Mask | None, first_batch: bool
 ) -> dict[str, float]:
-    """Put `progress_metrics` on the progress bar (not the loggers) when they differ from what it `shown`, or at an
+    """Put `progress_metrics` on the progress bar (not the loggers) when they differ from what it has `shown`, or at an
     epoch's `first_batch` (the bar keeps what was logged last, and `log` costs 0.3 ms a call); what it shows now."""
     now = progress_metrics(probing, mask)
     if now != shown or first_batch:

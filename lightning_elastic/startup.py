@@ -198,13 +198,16 @@ def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | No
 
 def check_reach(trainer: L.Trainer, fit: FitSession, profile_seconds: float, calibrate: bool) -> Reach:
     """What `fit` can reach after `profile_seconds` of profiling (per step without `calibrate`), before its first
-    update; refuse a speedup out of it (`Reach.check`, which raises), or warn of one on its edge.
+    update, with the schedule it runs (`fit.schedule`, planned again here: `_reach_at`); refuse a speedup out of it
+    (`Reach.check`, which raises), or warn of one on its edge.
 
-    Auto windows are sized to the speedup asked (`_reach_at`), so a refusal names the largest speedup that a fit
-    asking for it reaches (`reach.largest_reachable`), not what the windows of the speedup refused would reach.
+    Auto windows are sized to the speedup asked, so a refusal names the largest speedup that a later fit asking for
+    it reaches (`reach.largest_reachable`, with no profiling to pay, as `Reach.reachable` counts), not what the
+    windows of the speedup refused would reach.
     """
     speedup, auto = fit.plan.speedup, fit.settings.probe_steps == "auto"
     fit.schedule, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate)
+    said = limit
     if limit.reachable < speedup and auto and limit.total_steps is not None:
         shape = fit.schedule
 
@@ -212,13 +215,13 @@ def check_reach(trainer: L.Trainer, fit: FitSession, profile_seconds: float, cal
             planned = plan_schedule(shape.interval, shape.unit, "auto", asked, shape.steps_per_epoch, limit.total_steps)
             if isinstance(planned, ScheduleRefusal):
                 return None
-            return _reach_at(fit, asked, planned, profile_seconds, calibrate)[1]
+            return _reach_at(fit, asked, planned, 0.0, calibrate)[1]
 
-        limit = largest_reachable(reach_at, limit)
+        said = largest_reachable(reach_at, limit)
     smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
-    if (warning := limit.check(speedup, smoke)) is not None:  # raises if out of reach even when cached
+    if (warning := said.check(speedup, smoke)) is not None:  # raises if out of reach even when cached
         rank_zero_warn(warning)
-    return limit
+    return limit  # of the schedule that runs (a smoke run goes on past a refusal)
 
 
 def _reach_at(

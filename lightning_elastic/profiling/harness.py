@@ -112,9 +112,9 @@ class ProfileChoice(NamedTuple):
         that is the profile's first pass."""
         return PROFILE_STEPS[self.method] - int(self.first_step)
 
-    def announce(self, module: nn.Module, speedup: float, cached: bool) -> None:
+    def announce(self, module: nn.Module, speedup: float, cache_on: bool) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model; with
-        `cached` (a cache directory is on), that a cached profile would be read instead."""
+        `cache_on` (a cache directory is on), that a cached profile would be read instead."""
         count = sum(p.requires_grad for p in module.parameters())
         when = "after the first training step's backward pass" if self.first_step else "on the first batch"
         what = "with the analytic time model (op counts, one timed step)" if self.method == "flops" else "measured"
@@ -131,7 +131,8 @@ class ProfileChoice(NamedTuple):
                 if room < 1.0:
                     why += f" ({share:.0%}, scaled to the room a selected step has above the forward pass)"
             why += "; time_model='measured' measures anyway"
-        instead = "; a cached profile of this model on this device is used instead when there is one" if cached else ""
+        instead = "; a cached profile of this model on this device is used instead when there is one"
+        instead = instead if cache_on else ""
         rank_zero_info(
             f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {self.steps} training steps, "
             f"more on a busy machine{instead}{why})"

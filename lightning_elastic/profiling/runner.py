@@ -78,10 +78,10 @@ def profile(
         The `TimingProfile`.
 
     Raises:
-        ValueError: unknown ``method``, bad ``warmup``, ``repeats``, ``cache_dir`` or ``clock``, no parameter that
-            requires grad, or
-            ``compute_loss`` does not return a scalar that requires grad.
-        TypeError: ``model`` is not a module or ``compute_loss`` is not callable.
+        ValueError: unknown ``method``, bad ``warmup`` or ``repeats``, an empty ``cache_dir``, no parameter that
+            requires grad, or ``compute_loss`` does not return a scalar that requires grad.
+        TypeError: ``model`` is not a module, ``compute_loss`` or ``clock`` is not callable, or ``cache_dir`` is
+            not a path.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -97,10 +97,12 @@ def profile(
     for arg, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{arg}` must be an int >= {low}. Found: {value!r}")
-    if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir)):
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"`cache_dir` must be a directory path, or None (no cache). Found: {cache_dir!r}")
+    if cache_dir is not None and not os.fspath(cache_dir):
         raise ValueError(f"`cache_dir` must be a directory path, or None (no cache). Found: {cache_dir!r}")
     if clock is not None and not callable(clock):
-        raise ValueError(f"`clock` must be a callable returning seconds, or None. Found: {clock!r}")
+        raise TypeError(f"`clock` must be a callable returning seconds, or None. Found: {clock!r}")
     with _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
         runner.progress = progress or runner.progress

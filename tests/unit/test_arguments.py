@@ -76,6 +76,9 @@ def test_patterns_given_as_an_iterator_are_kept_not_used_up_by_the_checks() -> N
         ({"cache_dir": ""}, "`cache_dir` must be a directory path, None (the user cache) or False. Found: ''"),
         ({"profile": ""}, "`profile` must be the path of a saved timing profile. Found: '' (no such file)"),
         ({"profile": "/nonexistent/p.json"}, "saved timing profile. Found: '/nonexistent/p.json' (no such file)"),
+        ({"profile": "/tmp"}, "`profile` must be the path of a saved timing profile. Found: '/tmp' (not a file)"),
+        ({"resolution": 100_001}, "`resolution` must be a positive int of at most 100000. Found: 100001"),
+        ({"cache_dir": 0}, "`cache_dir` must be a directory path, None (the user cache) or False. Found: 0"),
     ],
 )
 def test_settings_that_would_fail_in_the_fit_are_refused_as_the_callback_is_made(
@@ -88,4 +91,9 @@ def test_settings_that_would_fail_in_the_fit_are_refused_as_the_callback_is_made
     with pytest.raises(ElasticConfigError) as refused:
         ElasticTensorSelection(**kwargs)  # type: ignore[arg-type]
     assert message in str(refused.value)
+
+
+def test_the_largest_resolution_is_taken() -> None:
+    from lightning_elastic import ElasticTensorSelection
+
     assert ElasticTensorSelection(resolution=arguments.MAX_RESOLUTION)._settings.resolution == 100_000

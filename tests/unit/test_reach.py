@@ -168,17 +168,20 @@ def test_a_first_window_cut_to_its_warm_up_steps_keeps_a_later_window_that_times
     assert [s for s in range(100) if timed.window_end(s) is not None] == [0]
 
 
-@pytest.mark.parametrize("floor", [0.2, 0.31, 0.45, 0.6])
-@pytest.mark.parametrize("total_steps", [60, 150, 400])
+@pytest.mark.parametrize("floor", [0.2, 0.25, 0.31, 0.45, 0.6])
+@pytest.mark.parametrize(("total_steps", "interval"), [(60, 8), (150, 8), (400, 8), (300, 5)])
 def test_the_largest_reachable_speedup_is_the_largest_hundredth_a_fit_planned_at_it_reaches(
-    floor: float, total_steps: int
+    floor: float, total_steps: int, interval: int
 ) -> None:
     """Against every hundredth from 1.01 up, each planned with its own auto windows (more probe steps at a lower
-    speedup): the largest that reaches itself."""
+    speedup): the largest that reaches itself. Not a bisection's: at a floor of 0.25, 300 steps and selections every
+    5, 3.65-3.70 reach themselves (8 probe steps), 3.71-3.75 do not, 3.76-3.77 do again (6)."""
     model = StepTimeModel(t_dw=(1.0, 0.0), t_dy=(0.0, 0.0), t_fixed=floor / (1.0 - floor))
 
     def reach_at(speedup: float) -> Reach | None:
-        planned = plan_schedule(8, "step", "auto", speedup, steps_per_epoch=(total_steps,), total_steps=total_steps)
+        planned = plan_schedule(
+            interval, "step", "auto", speedup, steps_per_epoch=(total_steps,), total_steps=total_steps
+        )
         assert isinstance(planned, Schedule)
         return reach(model, [False] * 2, [False] * 2, planned, total_steps, 0.0, model.full)
 
@@ -197,3 +200,12 @@ def test_a_refusal_where_the_cheapest_selection_is_a_full_step_does_not_advise_f
     refusal = dataclasses.replace(fit, pinned=False).refusal(2.0)
     assert fit.floor == 1.0 and refusal is not None
     assert refusal.endswith("so no speedup is within reach. Train this model without the callback. Found: 2.0")
+
+
+def test_a_per_step_refusal_advises_neither_fewer_probe_steps_nor_a_longer_fit() -> None:
+    """Without `calibrate` (or a fit of unknown length) the limit is each step's: it read "Use fewer `probe_steps`,
+    fit longer, or ask less"."""
+    fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2), None, 0.0, 7.0)
+    refusal = fit.refusal(50.0)
+    assert refusal is not None and "(per step)" in refusal
+    assert refusal.endswith("of a full step. Train fewer tensors always, or ask less. Found: 50.0")

@@ -67,11 +67,11 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     module = Module()
     module.b.bias.requires_grad_(False)
     with caplog.at_level(logging.INFO):
-        ProfileChoice.of("auto", 90, 2.0, first_step=True).announce(module, 2.0, cached=True)
-        ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0, cached=False)
-        ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5, cached=True)
-        ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0, cached=True)
-        ProfileChoice.of("auto", 128, 2.97, first_step=True).announce(module, 2.97, cached=True)  # little room left
+        ProfileChoice.of("auto", 90, 2.0, first_step=True).announce(module, 2.0, cache_on=True)
+        ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0, cache_on=False)
+        ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5, cache_on=True)
+        ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0, cache_on=True)
+        ProfileChoice.of("auto", 128, 2.97, first_step=True).announce(module, 2.97, cache_on=True)  # little room left
     said = [r.getMessage() for r in caplog.records]
     steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
