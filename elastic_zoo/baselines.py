@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_elastic.arguments import speedup_problem
 from lightning_elastic.errors import SpeedupOutOfReach
-from lightning_elastic.freezing import match_patterns
+from lightning_elastic.freezing import match_patterns, tied_names
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.reach import at_most
 from lightning_elastic.time_model import StepTimeModel
@@ -48,7 +48,8 @@ def head_only(module: nn.Module, head: Sequence[str]) -> list[str]:
         ['1.weight', '1.bias']
     """
     names = [name for name, _ in module.named_parameters()]
-    return [n for n, keep in zip(names, match_patterns(names, head, "head"), strict=True) if keep]
+    keep = match_patterns(names, head, "head", tied_names(module))  # a head tied to the embedding by either name
+    return [n for n, kept in zip(names, keep, strict=True) if kept]
 
 
 def bitfit(module: nn.Module, head: Sequence[str]) -> list[str]:

@@ -316,6 +316,8 @@ _ORDER = (
 def _check_params(params: Iterable[Tensor]) -> list[Tensor]:
     if isinstance(params, Tensor):
         raise TypeError("`params` must be a sequence of tensors, not one tensor. Found: a Tensor")
+    if not isinstance(params, Iterable):
+        raise TypeError(f"`params` must be a sequence of tensors. Found: {type(params).__name__}")
     tensors = list(params)
     if not tensors:
         raise ValueError("`params` must hold at least one tensor. Found: an empty sequence")

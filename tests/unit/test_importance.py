@@ -367,6 +367,7 @@ def test_reset_starts_a_new_window() -> None:
         ([torch.zeros(2), 3], TypeError, "`params` must hold only tensors. Found: int at index 1"),
         ([torch.zeros(2, dtype=torch.long)], ValueError, "floating-point tensors. Found: torch.int64 at index 0"),
         (torch.zeros(2), TypeError, "`params` must be a sequence of tensors, not one tensor"),
+        (3, TypeError, "`params` must be a sequence of tensors. Found: int"),  # it read "'int' object is not iterable"
     ],
 )
 def test_invalid_params(params: Any, error: type[Exception], message: str) -> None:
