@@ -3,9 +3,9 @@
 `check_supported` refuses a module the method cannot run with (as the fit is set up), `check_parameters` one whose
 layers (built by then) are lazy or all frozen (as it starts); `fit_schedule` reads the Trainer's epochs and the fit's
 length (`epoch_lengths`) into the schedule of probe windows and selections (`windows.plan_schedule`), or says why the
-callback stays off. Once the profile is known, `profiled_parameters`
-binds its tensors (refusing a profile of another module) and `check_dense` refuses sparse gradients. Once the fit's
-session exists, `check_reach` sizes its auto windows to what profiling left and refuses a speedup out of its reach.
+callback stays off. Once the profile is known, `profiled_parameters` binds its tensors (refusing a profile of another
+module) and `check_dense` refuses sparse gradients. Once the fit's session exists, `check_reach` sizes its auto
+windows to what profiling left and refuses a speedup out of its reach.
 """
 
 from __future__ import annotations

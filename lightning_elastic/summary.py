@@ -111,6 +111,11 @@ class FitSummary:
         verdict = "met" if not self.shortfall else "NOT met"
         return f"{self.fit_speedup:.2f}x (asked {self.target_speedup:g}x, {verdict})"
 
+    @property
+    def mean_pace(self) -> float:
+        """The device's mean pace over the fit's steps (`paced_steps` over `steps`; 1 before any)."""
+        return self.paced_steps / self.steps if self.steps else 1.0
+
     def per_step(self) -> str:
         """A selected step against a full step, both measured; said so when no full step was (all warmed up)."""
         if math.isnan(self.selected_step_seconds):
@@ -120,7 +125,7 @@ class FitSummary:
                 f"a selected step {self.selected_step_seconds * 1e3:.1f} ms; no steady full step measured (the probe "
                 f"steps were the process's warm-up steps), estimated at {self.full_step_seconds * 1e3:.1f} ms"
             )
-        mean_pace = self.paced_steps / self.steps if self.steps else 1.0
+        mean_pace = self.mean_pace
         paced = f" (the device's mean pace over the fit, {mean_pace:.2f}, x {self.full_step_seconds * 1e3:.1f} ms)"
         return (
             f"{self.measured_speedup:.2f}x: a selected step {self.selected_step_seconds * 1e3:.1f} ms against a full "
@@ -193,7 +198,6 @@ def fit_summary(
     last = history[-1] if history else None
     selected = [s for r in history for s in r.measured_seconds]
     full = plan.full_step if plan is not None else math.nan
-    mean_pace = (plan.steps_done + plan.paced_beyond) / plan.steps_done if plan is not None and plan.steps_done else 1.0
     mean_selected = math.fsum(selected) / len(selected) if selected else math.nan
     measured = selected and plan is not None and plan.full_samples and mean_selected > 0  # 0: a clock's coarse ticks
     counts = np.sum([r.mask.flags for r in history], axis=0) if history else np.zeros(len(names))
@@ -209,7 +213,7 @@ def fit_summary(
         selected_elements_fraction=last.mask.elements(numel) / max(1, sum(numel)) if last else math.nan,
         full_step_seconds=full,
         selected_step_seconds=mean_selected,
-        measured_speedup=full * mean_pace / mean_selected if measured else math.nan,
+        measured_speedup=math.nan,  # below: of `mean_pace`, derived from `paced_steps`
         fit_speedup=plan.speedup_so_far if plan is not None else math.nan,
         planned_seconds=plan.planned(plan.steps_done) if plan is not None else math.nan,
         spent_seconds=spent,
@@ -228,8 +232,9 @@ def fit_summary(
         contract=contract,
         pace=plan.pace if plan is not None else 1.0,
     )
+    per_step = full * summary.mean_pace / mean_selected if measured else math.nan
     why = shortfall(summary, history, probe_steps, pinned, cache_on) if contract else ""
-    return replace(summary, shortfall=why)
+    return replace(summary, measured_speedup=per_step, shortfall=why)
 
 
 def shortfall(
