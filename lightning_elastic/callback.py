@@ -74,9 +74,10 @@ class ElasticTensorSelection(Callback):
             fit can pay for it); or the steps of every window, each full training steps that measure every tensor's
             importance.
         time_model: "measured" (per-tensor times profiled on this device, about 7 training steps: 6 beyond the
-            fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3), or "auto"
-            (default): measured when it costs at most 5% of the planned fit (a share that shrinks above 2x with the
-            room a step has above its forward pass: none from 3x) or a measured profile is cached, else flops.
+            fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3: 1 where
+            the fit's first step is that step), or "auto" (default): measured when it costs at most 5% of the planned
+            fit (a share that shrinks above 2x with the room a step has above its forward pass: none from 3x) or a
+            measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.
@@ -302,6 +303,8 @@ class ElasticTensorSelection(Callback):
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._first is not None:
+            self._first.before_backward()
         if self._fit is not None:
             self._fit.clock.forward.stop()
 

@@ -26,10 +26,11 @@ WARMUP_STEPS = 4
 # step (the profile's first pass) is slow. Lite0 on Fashion-MNIST at 2x, 5 seeds: steps 2-6 took 0.45-0.56 s after
 # the measured profile, against a median step of 0.46-0.50 s of the full runs (whose first step took 0.62-0.70 s).
 PROFILED_WARMUP_STEPS = 1
-# ... and in a process whose analytic profile was timed here, this many: its op-counting pass and plain timings (two
-# forward passes and a full step) after the fit's first step leave one more step slow. First runs at 2x of Lite0 on
-# ELPV (150 and 228 steps) and MiniLM on e-mails, 11 processes (2026-11-27): step 1 took 1.02-1.14x the mean of steps
-# 2-3, which took 0.88-1.11x step 4 (1.00 on the mean), the first step the 4 warm-up steps of WARMUP_STEPS sampled.
+# ... and in a process whose analytic profile was timed here, this many: its op-counting pass and plain timings after
+# the fit's first step (one forward pass; until 2026-12-02 two and a full step) leave one more step slow. First runs at
+# 2x of Lite0 on ELPV (150 and 228 steps) and MiniLM on e-mails, 11 processes (2026-11-27): step 1 took 1.02-1.14x the
+# mean of steps 2-3, which took 0.88-1.11x step 4 (1.00 on the mean), the first step the 4 warm-up steps of
+# WARMUP_STEPS sampled.
 ANALYTIC_WARMUP_STEPS = 2
 # A cold process (below) that knows its warm step (`FirstWindow.warm_step`) plans this many: it tells a step still
 # warming up by 20% from a steady one by that step, and runs on past those (`cold_window_runs_on`), but not a step a

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic.profiling import runner
+from lightning_elastic.profiling import harness, runner
 from lightning_elastic.timing import DeviceClock
 
 
@@ -27,4 +27,6 @@ def ticking_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
     forward pass longer than the full step, and then refuse even a speedup of 1.001 as out of reach.
     """
     ticks = itertools.count()
-    monkeypatch.setattr(runner, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * 1e-3))
+    ticking = lambda device, clock: DeviceClock(device, lambda: next(ticks) * 1e-3)  # noqa: E731
+    monkeypatch.setattr(runner, "DeviceClock", ticking)
+    monkeypatch.setattr(harness, "DeviceClock", ticking)  # the fit's first backward pass, when it is the profile's

@@ -165,6 +165,32 @@ class Pass:
     sources: list[Node] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StepBackward:
+    """The backward pass of a training step that just ran, as a profile keyed by its `StepSignature` takes it
+    (`harness.FirstStep`): its seconds on the profiler's clock, and the ``id()`` of every parameter it computed a
+    gradient for (`runner.profile` refuses one the graph walked from the loss does not show)."""
+
+    seconds: float
+    received: frozenset[int]
+
+
+class BackwardRecorder:
+    """Times one backward pass on `clock` and notes the parameters it accumulates a gradient into."""
+
+    def __init__(self, clock: DeviceClock, params: list[nn.Parameter]) -> None:
+        self._clock, self._received = clock, set[int]()
+        self._handles = [p.register_post_accumulate_grad_hook(lambda p: self._received.add(id(p))) for p in params]
+        self._start = clock.stamp()
+
+    def stop(self) -> StepBackward:
+        """The backward pass ended: what it did (the hooks removed)."""
+        seconds = self._clock.seconds(self._start, self._clock.stamp())
+        for handle in self._handles:
+            handle.remove()
+        return StepBackward(seconds, frozenset(self._received))
+
+
 @dataclass
 class OpGraph:
     """Where one forward op sits in the autograd graph."""

@@ -27,10 +27,10 @@ from lightning_elastic.distributed import any_rank
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.freezing import is_compiled
 from lightning_elastic.profiling.flops import tensors_in
-from lightning_elastic.profiling.graph import StepSignature
+from lightning_elastic.profiling.graph import BackwardRecorder, StepBackward, StepSignature
 from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile
 from lightning_elastic.profiling.runner import profile
-from lightning_elastic.timing import StepTimer
+from lightning_elastic.timing import DeviceClock, StepTimer
 
 __all__ = [
     "FirstStep",
@@ -47,6 +47,11 @@ __all__ = [
 # One of them is the fit's first step (or a pass of its own for the key). MiniLM on e-mails, a 0.6 s step: 4.2 s and
 # 1.7 s.
 PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
+# ... less what the fit's first step does for it (`FirstStep`): its pass is the fingerprint's; for "flops" its timed
+# backward pass is the full step's backward too, so that only its op-counting pass and one plain forward are left (the
+# plain full step and the second forward that bracketed it took 1.2 s of a 1.9 s profile of Lite0 on ELPV, a 0.6 s
+# step, in a benchmark process).
+FIRST_STEP_SAVES: dict[TimingMethod, int] = {"measured": 1, "flops": 2}
 # `time_model="auto"` measures the profile when it costs at most the own-time share of the planned fit
 # (`windows.OWN_SHARE`, which the probe windows get what is left of), else takes the analytic one. Holding the first
 # window to that share too sent Fashion-MNIST's 400-step fits at 2x to the analytic profile: it predicted their selected
@@ -108,16 +113,17 @@ class ProfileChoice(NamedTuple):
 
     @property
     def steps(self) -> int:
-        """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less the fit's first step when
-        that is the profile's first pass."""
-        return PROFILE_STEPS[self.method] - int(self.first_step)
+        """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less `FIRST_STEP_SAVES` when
+        the fit's first step is the profile's first pass."""
+        return PROFILE_STEPS[self.method] - FIRST_STEP_SAVES[self.method] * int(self.first_step)
 
     def announce(self, module: nn.Module, speedup: float, cache_on: bool) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model; with
         `cache_on` (a cache directory is on), that a cached profile would be read instead."""
         count = sum(p.requires_grad for p in module.parameters())
         when = "after the first training step's backward pass" if self.first_step else "on the first batch"
-        what = "with the analytic time model (op counts, one timed step)" if self.method == "flops" else "measured"
+        timed = "scaled to this step's backward pass" if self.first_step else "one timed step"
+        what = f"with the analytic time model (op counts, {timed})" if self.method == "flops" else "measured"
         why = ""
         if self.auto and self.method == "flops":
             room, steps = self.room(speedup), self._replace(method="measured").steps
@@ -134,7 +140,8 @@ class ProfileChoice(NamedTuple):
         instead = "; a cached profile of this model on this device is used instead when there is one"
         instead = instead if cache_on else ""
         rank_zero_info(
-            f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {self.steps} training steps, "
+            f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {self.steps} training "
+            f"step{'' if self.steps == 1 else 's'}, "
             f"more on a busy machine{instead}{why})"
         )
 
@@ -150,17 +157,19 @@ def measure_profile(
 
     With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
     signature keys the cache, so profiling takes no pass of its own for it, if its inputs have the shapes of the
-    first batch (`_first_batch`, in data set order). Else, as without `first`, on the first batch with a pass of its
-    own for the key. The key must not depend on the shuffle: inputs whose shapes vary per batch (text padded to the
-    longest in its batch) would key a shuffled batch's shapes, and the next run, or the check of a resume or a second
-    fit (`stale_reason`, on the first batch), would profile again. So the key, and the shapes timed, are the first
-    batch's in every run. `Measured.timed` says whether this process ran the timing passes (which warm it up) or
-    read the cache, with the `choice`'s method (for "auto", a cached measured profile first).
+    first batch (`_first_batch`, in data set order); the analytic profile then scales its op counts to that step's
+    timed backward pass (`FirstStep.backward`) and times no full step of its own. Else, as without `first`, on
+    the first batch with a pass of its own for the key. The key must not depend on the shuffle: inputs whose shapes
+    vary per batch (text padded to the longest in its batch) would key a shuffled batch's shapes, and the next run, or
+    the check of a resume or a second fit (`stale_reason`, on the first batch), would profile again. So the key, and
+    the shapes timed, are the first batch's in every run. `Measured.timed` says whether this process ran the timing
+    passes (which warm it up) or read the cache, with the `choice`'s method (for "auto", a cached measured profile
+    first).
     """
     batch = _first_batch(trainer)
-    signature = None
+    signature, backward = None, None
     if first is not None and _shapes(first.batch) == _shapes(batch):
-        batch, signature = first.batch, first.signature
+        batch, signature, backward = first.batch, first.signature, first.backward
     batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
     phases = PhaseLines()
     with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
@@ -171,6 +180,7 @@ def measure_profile(
             cache_dir=cache_dir,
             progress=phases,
             signature=signature,
+            backward=backward,
             cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
         )
     timed = phases.timed
@@ -195,7 +205,11 @@ class FirstStep:
     and its timings need a device that has run the step once. The fit's first optimizer step is both: it opens the
     first probe window, so every candidate trains. The callback records its signature as it runs and profiles (or
     reads the cache) on its batch between its backward pass and its optimizer update: profiling takes no pass of its
-    own for the fingerprint, and a speedup out of reach is still refused before any parameter changes. Its seconds up
+    own for the fingerprint, the analytic profile takes the step's backward pass (`backward`, timed from
+    `before_backward` to `after_backward`) as its full step's, and a speedup out of reach is still refused before any
+    parameter changes. The first backward pass of a process runs about as fast as the later ones (Lite0 on ELPV, fresh
+    processes: 443 and 495 ms against 399-466 ms for steps 2-8), its forward pass does not (435 and 380 ms against
+    163-243 ms), so the forward is timed plain by the profile. Its seconds up
     to the update (`timer`) are the first step's, charged to the fit.
 
     Only for one process running an eager module (`applies`: Lightning's single-device strategy): under DDP, even on
@@ -213,6 +227,11 @@ class FirstStep:
     def __init__(self, device: torch.device, clock: Callable[[], float], setup_seconds: float = 0.0) -> None:
         self.timer = StepTimer(device, clock)
         self.setup_seconds = setup_seconds  # what the callback spent as training started, charged with profiling
+        # The recorded micro-batch's backward pass, on the profiler's clock (`profile` times every other pass of the
+        # profile on it: CUDA events, else `time.perf_counter`), not the callback's `clock`, injected by tests.
+        self._backward_clock = DeviceClock(device, None)
+        self._backward: BackwardRecorder | None = None
+        self.backward: StepBackward | None = None
         self.batch: Any = None
         self.batch_idx = 0  # of `batch` in its epoch: `training_step` may branch on it (skip batch 0, say)
         self.signature: dict[str, Any] | None = None
@@ -249,14 +268,25 @@ class FirstStep:
 
         pl_module.training_step = recorded  # type: ignore[method-assign]
 
+    def before_backward(self) -> None:
+        """The recorded micro-batch's backward pass starts."""
+        if self._recorder is not None and self._recorder.complete and self._module is not None:
+            params = [p for p in self._module.parameters() if p.requires_grad]
+            self._backward = BackwardRecorder(self._backward_clock, params)
+
     def after_backward(self) -> None:
         if self._recorder is not None and self._recorder.complete:
+            self.backward = None if self._backward is None else self._backward.stop()
+            self._backward = None
             signature = self._recorder.signature()
             self.close()
             self.signature = signature
 
     def close(self) -> None:
         """End a recording (a step that ran no backward pass, because `training_step` returned None, or failed)."""
+        if self._backward is not None:
+            self._backward.stop()
+            self._backward = None
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None

@@ -197,14 +197,16 @@ class Runner:
 
     # -- the two methods ------------------------------------------------------------------------------
 
-    def run(self, method: TimingMethod, warmup: int, repeats: int) -> Result:
+    def run(self, method: TimingMethod, warmup: int, repeats: int, backward: float | None = None) -> Result:
+        """The passes of `method`; `backward`: the seconds of the full backward pass of a training step that just ran
+        on this batch (the fit's first), which the analytic method takes instead of timing a full step."""
         n = len(self.params)
         passes = "one pass counting each op's work" if method == "flops" else f"{3 * repeats} instrumented passes"
         self.progress(2, PHASES, f"{warmup} plain warm-up step(s), then {passes}" if warmup else passes)
         for _ in range(warmup):
             self.plain([True] * n)
         if method == "flops":
-            return self._run_flops(repeats)
+            return self._run_flops(repeats, backward)
         return self._run_measured(repeats)
 
     def _run_measured(self, repeats: int) -> Result:
@@ -231,7 +233,7 @@ class Runner:
         t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
         return Result(order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
 
-    def _run_flops(self, repeats: int) -> Result:
+    def _run_flops(self, repeats: int, backward: float | None) -> Result:
         n = len(self.params)
         mem_weight = default_mem_weight(self.params[0].device)
         ids = {id(p) for p in self.params}
@@ -245,8 +247,10 @@ class Runner:
 
         self._set_mask([True] * n)
         recorder = OpRecorder(self.clock, keep)
+        start = self.clock.now()
         with recorder:
             loss = self._loss()
+        counting = self.clock.now() - start  # a forward pass, with the counting's own work: at least a plain one
         if not loss.requires_grad:
             raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
         record = Pass(op_names=recorder.names, op_kept=recorder.kept)
@@ -258,9 +262,13 @@ class Runner:
         raw, order = structure.flop_costs(record), structure.order
         # The recorded graph ran no backward pass: its nodes still hold the forward's saved activations.
         del loss, record, structure, recorder
-        # A full step bracketed by plain forwards, re-timed while the machine is disturbed (as calibration does).
-        self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
-        t_fw, (t_full,) = suffix_times(self.plain, len(self.params), order, [0], repeats)
+        if backward is None:  # a full step bracketed by plain forwards, re-timed while the machine is disturbed
+            self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
+            t_fw, (t_full,) = suffix_times(self.plain, len(self.params), order, [0], repeats)
+        else:  # the training step's backward pass, and the quicker of two forward passes (a disturbed one is slower)
+            self.progress(3, PHASES, "a plain forward pass (the full step's backward is the training step's)")
+            t_fw = min(self.plain([False] * n)[0], counting)
+            t_full = t_fw + backward
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
         scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
         raw.scale(scale)

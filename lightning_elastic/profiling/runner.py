@@ -3,6 +3,7 @@ profile are `passes.Runner`'s."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.cache import cache_file, cache_key, device_name, load_cached
+from lightning_elastic.profiling.graph import StepBackward
 from lightning_elastic.profiling.passes import PHASES, Progress, Runner
 from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, store
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
@@ -34,6 +36,7 @@ def profile(
     clock: Callable[[], float] | None = None,
     progress: Progress | None = None,
     signature: Mapping[str, Any] | None = None,
+    backward: StepBackward | None = None,
     cached_first: Sequence[TimingMethod] = (),
 ) -> TimingProfile:
     """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
@@ -69,6 +72,9 @@ def profile(
         signature: the step's `StepSignature`, recorded by the caller on a training step that just ran on the same
             batch (the fit's first, `harness.FirstStep`): then profiling takes no fingerprint pass of its own, and
             that step was the device's warm-up. Its backward graph must be the one of every candidate trained.
+        backward: that step's backward pass (with `signature`): its seconds, which the ``"flops"`` method scales its
+            op counts to, timing a plain forward pass alone and no full step of its own (`harness.FirstStep`), and
+            the parameters it computed gradients for.
         cached_first: methods whose cached profile of this step is taken, when there is one, before the cache of
             ``method`` is looked up or anything is timed (the callback's "auto" prefers a measured profile it
             need not pay for). A stale or corrupt entry of theirs is passed over without a word: this run does not
@@ -103,6 +109,11 @@ def profile(
         raise ValueError(f"`cache_dir` must be a directory path, or None (no cache). Found: {cache_dir!r}")
     if clock is not None and not callable(clock):
         raise TypeError(f"`clock` must be a callable returning seconds, or None. Found: {clock!r}")
+    if backward is not None and (signature is None or not 0 <= backward.seconds < math.inf):
+        raise ValueError(
+            "`backward` must be the backward pass (seconds >= 0) of the step whose `signature` is given. "
+            f"Found: {backward.seconds!r} s" + ("" if signature is not None else " with no `signature`")
+        )
     with _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
         runner.progress = progress or runner.progress
@@ -117,7 +128,9 @@ def profile(
             cached = None if path is None else load_cached(path, fingerprint, quiet=looked_up != method)
             if cached is not None:
                 return cached
-        result = runner.run(method, warmup, repeats)
+        if backward is not None:  # what that step's backward pass computed is checked as the passes' is
+            runner.received.update(backward.received)
+        result = runner.run(method, warmup, repeats, None if backward is None else backward.seconds)
         if hidden := runner.hidden(result.order):
             raise ElasticConfigError(
                 "Every tensor that gets a gradient must be a node of the autograd graph before backward runs, so "

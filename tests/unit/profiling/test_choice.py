@@ -75,7 +75,9 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     said = [r.getMessage() for r in caplog.records]
     steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
-    assert f"analytic time model (op counts, one timed step) (about {steps['flops'] - 1} training steps" in said[0]
+    saves = harness.FIRST_STEP_SAVES
+    assert steps["flops"] - saves["flops"] == 1  # the op-counting pass and a plain forward pass
+    assert "analytic time model (op counts, scaled to this step's backward pass) (about 1 training step," in said[0]
     assert f"time_model='auto': a measured profile (about {steps['measured'] - 1} training steps)" in said[0]
     assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
     assert f"measured (about {steps['measured']} training steps" in said[1] and "time_model='auto'" not in said[1]

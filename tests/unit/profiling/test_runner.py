@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import re
 import statistics
@@ -18,7 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
+from lightning_elastic.profiling.graph import StepBackward
 from lightning_elastic.profiling.harness import PhaseLines
+from lightning_elastic.profiling.passes import Runner
 from tests.unit.profiling.fakes import FakeClock, FakeLayer, FakeResidual, simulated_step, small
 
 
@@ -382,3 +385,41 @@ def test_a_corrupt_profile_only_asked_first_is_passed_over_without_a_word(tmp_pa
         again = profile(net, lambda: net(x).sum(), method="measured", clock=clock, cache_dir=tmp_path, cached_first=("measured",))
     assert again.method == "measured"
     assert sum("corrupt" in str(w.message) for w in said) == 1  # looked up once, though asked first and as `method`
+
+
+def test_the_analytic_profile_of_a_step_that_just_ran_takes_its_backward_pass_and_times_one_plain_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the backward seconds of the training step that keyed it (`harness.FirstStep`), the analytic profile runs
+    its op-counting pass and one plain forward with nothing selected, no full step of its own: the forward is the
+    quicker of the two forwards (4 fake seconds, four layers of 1), the full step that forward plus the backward
+    given, and its op counts are scaled to that backward."""
+    clock = FakeClock()
+    net = nn.Sequential(*[FakeLayer(clock, (1.0, 2.0, 3.0)) for _ in range(4)])
+    x = torch.randn(2, 3)
+    masks: list[list[bool]] = []
+    own = Runner.plain
+    monkeypatch.setattr(Runner, "plain", lambda self, mask: masks.append(list(mask)) or own(self, mask))
+    ran = StepBackward(7.5, frozenset())
+    prof = profile(net, lambda: net(x).sum(), method="flops", clock=clock, signature={"step": "ran"}, backward=ran)
+    assert masks == [[False] * 4]
+    assert prof.t_fw == 4.0 and prof.t_full == 11.5
+    assert prof.predict([True] * 4) == pytest.approx(11.5, rel=1e-9)
+    masks.clear()  # without it, a full step bracketed by plain forwards, as before
+    measured = profile(net, lambda: net(x).sum(), method="flops", clock=clock, signature={"step": "ran"})
+    assert masks == [[False] * 4, [True] * 4, [False] * 4]
+    assert measured.t_fw == 4.0 and measured.t_full == 4.0 + 4 * 3.0 + 3 * 2.0  # no input gradient below layer 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backward": StepBackward(1.0, frozenset())}, r"`backward` must be .* Found: 1.0 s with no `signature`"),
+        ({"backward": StepBackward(-1.0, frozenset()), "signature": {}}, r"\(seconds >= 0\) .* Found: -1.0 s$"),
+        ({"backward": StepBackward(math.inf, frozenset()), "signature": {}}, r"Found: inf s$"),
+    ],
+)
+def test_a_backward_pass_without_its_step_or_of_no_seconds_is_refused(kwargs: dict[str, Any], match: str) -> None:
+    net, loss_fn = small()
+    with pytest.raises(ValueError, match=match):
+        profile(net, loss_fn, method="flops", **kwargs)
