@@ -16,7 +16,7 @@ so the optimizer holds only the trained tensors, as a user of the baseline would
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -75,9 +75,16 @@ def bitfit(module: nn.Module, head: Sequence[str]) -> list[str]:
 
 
 def last_k_within_budget(
-    profile: TimingProfile, speedup: float, head: Sequence[str] = (), model: StepTimeModel | None = None
+    profile: TimingProfile,
+    speedup: float,
+    head: Sequence[str] = (),
+    model: StepTimeModel | None = None,
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
     """The head and the largest suffix of tensors (forward order) whose predicted step fits `1 / speedup` of full.
+
+    `head` patterns match a tensor by its name or by any of its `aliases` (`freezing.tied_names`: a head tied to the
+    embedding is the embedding's tensor, named first in the profile).
 
     The prediction is `model`, by default `StepTimeModel.from_profile(profile)`: the profiled pass alone, which
     leaves out what every real step pays besides (the optimizer update, the loop), so the fit runs slower than
@@ -100,7 +107,7 @@ def last_k_within_budget(
         raise ValueError(problem)
     model = StepTimeModel.from_profile(profile) if model is None else model
     limit = model.full / speedup
-    required = match_patterns(profile.names, head, "head")
+    required = match_patterns(profile.names, head, "head", aliases)
     n = len(profile.names)
     best: tuple[bool, ...] | None = None
     for k in range(n + 1):

@@ -35,6 +35,7 @@ from elastic_zoo.baselines import LinearFreeze as _LinearFreezeCallback
 from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
 from lightning_elastic import TimingProfile, profile, warmup
 from lightning_elastic.arguments import speedup_problem
+from lightning_elastic.freezing import tied_names
 from lightning_elastic.profiling.profile import read_profile
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.timing import StepTimer
@@ -156,7 +157,7 @@ class StaticLastK(FineTuningMethod):
         if batch is not None and self.calibrate:
             step, update = offline_step(module, batch)
             model = StepTimeModel.calibrated(timing, full_step=step, optimizer_seconds=update)
-        names = last_k_within_budget(timing, self.static_speedup, self.head, model)
+        names = last_k_within_budget(timing, self.static_speedup, self.head, model, tied_names(module))
         return MethodSetup([TrainOnly(names)], float(len(names)), time.perf_counter() - started)
 
 

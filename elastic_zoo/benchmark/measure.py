@@ -12,7 +12,7 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
 from elastic_zoo.recipe import build, quiet_console, seed_everything, set_threads
 from lightning_elastic import ElasticTensorSelection, SpeedupOutOfReach
-from lightning_elastic.freezing import match_patterns
+from lightning_elastic.freezing import match_patterns, tied_names
 
 
 def run_isolated(config: dict[str, Any], method: Method, path: Path) -> dict[str, Any]:
@@ -141,7 +141,8 @@ def measure(cfg: DictConfig, method: Method, path: str) -> None:
     )
     for callback in parts.callbacks:
         if isinstance(callback, ElasticTensorSelection):
-            result.update(elastic_figures(callback, head, Path(path).with_name(f"{Path(path).stem}_selection_map.png")))
+            map_path = Path(path).with_name(f"{Path(path).stem}_selection_map.png")
+            result.update(elastic_figures(callback, head, map_path, tied_names(module)))
             result["trained_tensors"] = mean_or_nan([h["mask"].count("1") for h in result["history"]])
     Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -159,8 +160,11 @@ def evaluated_images(batches: Sequence[int | float], loader: Any) -> int:
     return min(len(loader.dataset), total * int(loader.batch_size))
 
 
-def elastic_figures(callback: ElasticTensorSelection, head: Sequence[str], map_path: Path) -> dict[str, Any]:
-    """The elastic run's own figures: its summary, every selection's mask, and how much consecutive ones differ.
+def elastic_figures(
+    callback: ElasticTensorSelection, head: Sequence[str], map_path: Path, aliases: Mapping[str, Sequence[str]]
+) -> dict[str, Any]:
+    """The elastic run's own figures: its summary, every selection's mask, and how much consecutive ones differ;
+    `head` matched by a tensor's name or its `aliases` (`freezing.tied_names`), as the callback matches `train_always`.
 
     The callback's selection map is saved to `map_path` (a PNG; its path is in the figures), when there is one.
     """
@@ -177,7 +181,7 @@ def elastic_figures(callback: ElasticTensorSelection, head: Sequence[str], map_p
         "elastic": summary,
         "freeze_seconds": summary["apply_seconds"],
         "tensor_names": names,
-        "required": [bool(r) for r in match_patterns(names, head, "train_always")],
+        "required": [bool(r) for r in match_patterns(names, head, "train_always", aliases)],
         "history": [h.to_dict() for h in history],
         "mask_changes": changes,
         "selection_map": str(map_path) if image is not None else None,

@@ -187,6 +187,21 @@ def test_static_last_k_fits_the_step_it_timed_before_the_fit(
         StaticLastK("model.10.*", 2.0, "measured", "cpu").prepare(module, datamodule=None)
 
 
+def test_last_k_pins_a_head_tied_to_the_embedding_by_its_head_name() -> None:
+    """A head tied to the embedding is the embedding's tensor, which the profile names first: "out.*" pins it by its
+    alias, as the callback's `train_always` does; without the alias the pattern finds the head's bias alone."""
+    prof = TimingProfile(
+        names=("emb.weight", "h.weight", "out.bias"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=1.0,
+        t_full=6.0, device="cpu", fingerprint="f", unused=(), method="measured", numel=(1, 1, 1),
+    )  # fmt: skip
+    tied = {"emb.weight": ("out.weight",)}
+    # the embedding pinned: 1 + 2 + 2 = 5 of 6, the whole model 6 (over 6 / 1.01)
+    assert last_k_within_budget(prof, 1.01, ["out.*"], aliases=tied) == ["emb.weight", "out.bias"]
+    assert last_k_within_budget(prof, 2.0, ["out.*"]) == ["out.bias"]
+    with pytest.raises(ValueError, match=r"`speedup` must be at most 1.20"):
+        last_k_within_budget(prof, 2.0, ["out.*"], aliases=tied)
+
+
 def test_last_k_keeps_a_head_that_is_not_at_the_end() -> None:
     prof = TimingProfile(
         names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=1.0, t_full=6.0,
