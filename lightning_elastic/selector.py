@@ -43,6 +43,19 @@ class Selection:
     importance: float
     cost: float
 
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.mask, tuple) or not all(isinstance(flag, bool) for flag in self.mask):
+            shown = repr(self.mask) if len(repr(self.mask)) <= 60 else f"a {type(self.mask).__name__}"
+            problems.append(f"`mask` must be a tuple of bools, one per tensor. Found: {shown}")
+        for name, low in (("importance", -math.inf), ("cost", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+                bound = "a finite number" if low == -math.inf else "a finite number >= 0"
+                problems.append(f"`{name}` must be {bound}. Found: {value!r}")
+        if problems:
+            raise TypeError("Invalid `Selection`: " + "; ".join(problems))
+
 
 def select(
     t_dw: Sequence[float],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
@@ -329,3 +330,21 @@ def test_when_the_dynamic_program_selects_nothing_the_fallback_is_the_best_singl
         assert decision.mask.flags == tuple(k == expected for k in range(n))
         assert decision.starved == (not fitting)
     assert fallbacks > 100
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mask": 3}, r"`mask` must be a tuple of bools, one per tensor. Found: 3$"),
+        ({"mask": [True, False]}, r"Found: \[True, False\]$"),
+        ({"mask": (1, 0)}, r"Found: \(1, 0\)$"),
+        ({"importance": "high"}, r"`importance` must be a finite number. Found: 'high'$"),
+        ({"cost": -1.0}, r"`cost` must be a finite number >= 0. Found: -1.0$"),
+        ({"cost": math.nan}, r"`cost` must be a finite number >= 0. Found: nan$"),
+    ],
+)
+def test_a_selection_built_by_hand_names_what_is_wrong(kwargs: dict[str, Any], match: str) -> None:
+    given: dict[str, Any] = {"mask": (True, False), "importance": 1.0, "cost": 0.5, **kwargs}
+    with pytest.raises(TypeError, match=match) as raised:
+        Selection(**given)
+    assert str(raised.value).startswith("Invalid `Selection`: ")
