@@ -19,6 +19,11 @@ from lightning_elastic.records import SelectionRecord
 
 # The asked speedup counts as met within this share (the plan's own tolerance for noise in measured steps).
 MET_WITHIN = 0.03
+# A fit more than this share above the asked speedup is said so (`FitSummary.overshoot`): the plan spends what it is
+# given, so that far over it either trained less than the budget allowed, or its estimate of training every tensor is
+# too high (its full steps `T` ran slow: a host busy with other work timed 270-470 ms where plain fits took 2-11 ms,
+# and the summary said "3.50x, met" of fits no faster than plain ones).
+OVER_BY = 0.10
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,26 @@ class FitSummary:
         verdict = "met" if not self.shortfall else "NOT met"
         return f"{self.fit_speedup:.2f}x (asked {self.target_speedup:g}x, {verdict})"
 
+    def overshoot(self) -> str:
+        """What a fit more than `OVER_BY` above its asked speedup means; empty when it is not (or keeps no contract).
+
+        Example:
+            >>> plan = WallClockPlan(2.0, 100, 1.0, spent=40.0, steps_done=100)
+            >>> fit_summary([], plan, {}, [], [], target_speedup=2.0).overshoot()[:24]
+            '25% faster than asked: t'
+            >>> fit_summary([], WallClockPlan(2.0, 100, 1.0, spent=46.0, steps_done=100), {}, [], [], 2.0).overshoot()
+            ''
+        """
+        if not self.contract or not math.isfinite(self.fit_speedup):
+            return ""
+        if self.fit_speedup <= self.target_speedup * (1 + OVER_BY):
+            return ""
+        return (
+            f"{self.fit_speedup / self.target_speedup - 1:.0%} faster than asked: the selections trained less than the "
+            f"budget allowed, or the full steps this fit timed ({self.full_step_seconds * 1e3:.1f} ms) ran slower than "
+            "training every tensor takes on this device (other work on the machine), and the estimate above is high"
+        )
+
     @property
     def mean_pace(self) -> float:
         """The device's mean pace over the fit's steps (`paced_steps` over `steps`; 1 before any)."""
@@ -162,6 +187,8 @@ class FitSummary:
         ]
         if self.shortfall:
             lines.append(f"  why not met        {self.shortfall}")
+        if over := self.overshoot():
+            lines.append(f"  above the asked    {over}")
         return "\n".join(lines)
 
 
