@@ -37,11 +37,12 @@ class ModelState:
             for value in saved.values()
             if isinstance(value, Tensor) and not isinstance(value, nn.Parameter)
         ]
-        # Items, not `copy.copy` of each container: a module's own dicts (`_parameters`, `_modules`, its hooks) are
-        # OrderedDicts, whose `copy.copy` goes through `__reduce_ex__`; 2,900 of them (Lite0 in a benchmark process)
-        # took 0.33 s, half a training step of a profile that costs about two.
+        # Plain copies of the contents, not `copy.copy` of each container: a module's own dicts (`_parameters`,
+        # `_modules`, its hooks) are OrderedDicts, whose `copy.copy` goes through `__reduce_ex__` (Lite0's 2,784
+        # containers: 8.6 ms, against 0.7 ms). A dict's as a mapping: `Counter.update` counts the items of anything
+        # else.
         self._contents = [
-            (value, tuple(value.items()) if isinstance(value, dict) else tuple(value))
+            (value, dict(value) if isinstance(value, dict) else tuple(value))
             for _, saved in self._attributes
             for value in saved.values()
             if isinstance(value, (list, dict, set))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter, OrderedDict, defaultdict
 
 import torch
 from torch import Tensor, nn
@@ -126,3 +127,35 @@ def test_profile_gives_lists_dicts_and_sets_appended_to_in_place_their_items_bac
     assert net.outputs is outputs and len(outputs) == 1 and outputs[0] is first
     assert net.by_shape is by_shape and by_shape == {(3, 4): 1}
     assert net.seen is seen and seen == {1}
+
+
+class _Tallies(nn.Module):
+    """Keeps tallies in dict subclasses, each updated in place by `forward`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.counts: Counter[str] = Counter()
+        self.ordered: OrderedDict[str, int] = OrderedDict(first=0)
+        self.by_call: defaultdict[str, list[int]] = defaultdict(list)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.counts["calls"] += 1
+        calls = self.counts["calls"]
+        self.ordered[f"call {calls}"] = calls
+        self.ordered.move_to_end("first")
+        self.by_call[f"call {calls}"].append(calls)
+        return self.lin(x)
+
+
+def test_profile_gives_counters_ordered_and_default_dicts_their_items_back_in_order() -> None:
+    """A `Counter` given its items as pairs would count the pairs (`Counter.update`): its counts come back as they
+    were, an `OrderedDict` in its order, a `defaultdict` with its factory."""
+    net = _Tallies()
+    x = torch.randn(3, 4)
+    net(x)  # the fit's own step, before profiling
+    counts, ordered, by_call = net.counts, net.ordered, net.by_call
+    profile(net, lambda: net(x).sum(), repeats=1)
+    assert net.counts is counts and type(counts) is Counter and dict(counts) == {"calls": 1}
+    assert net.ordered is ordered and list(ordered.items()) == [("call 1", 1), ("first", 0)]
+    assert net.by_call is by_call and dict(by_call) == {"call 1": [1]} and by_call.default_factory is list
