@@ -74,10 +74,10 @@ class ElasticTensorSelection(Callback):
             fit can pay for it); or the steps of every window, each full training steps that measure every tensor's
             importance.
         time_model: "measured" (per-tensor times profiled on this device, about 7 training steps: 6 beyond the
-            fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3: 1 where
-            the fit's first step is that step), or "auto" (default): measured when it costs at most 5% of the planned
-            fit (a share that shrinks above 2x with the room a step has above its forward pass: none from 3x) or a
-            measured profile is cached, else flops.
+            fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3: 1 on CPU
+            where the fit's first step is that step), or "auto" (default): measured when it costs at most 5% of the
+            planned fit (a share that shrinks above 2x with the room a step has above its forward pass: none from 3x)
+            or a measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.
@@ -196,7 +196,10 @@ class ElasticTensorSelection(Callback):
         self._user = freeze_never(pl_module, settings.train_always, settings.train_never, settings.bn_policy)  # first
         restored = self._restored.get("profile") if self._restored else None
         first_step = self._restored is None and FirstStep.applies(trainer, pl_module)
-        self._choice = choice = ProfileChoice.of(settings.time_model, self._schedule[1], settings.speedup, first_step)
+        first_backward = first_step and FirstStep.backward_applies(pl_module)
+        self._choice = choice = ProfileChoice.of(
+            settings.time_model, self._schedule[1], settings.speedup, first_step, first_backward
+        )
         prof = reusable_profile(trainer, pl_module, settings.profile, restored, self._profile, choice)
         timed = False
         if prof is None:

@@ -30,7 +30,8 @@ PROFILED_WARMUP_STEPS = 1
 # the fit's first step (one forward pass; until 2026-12-02 two and a full step) leave one more step slow. First runs at
 # 2x of Lite0 on ELPV (150 and 228 steps) and MiniLM on e-mails, 11 processes (2026-11-27): step 1 took 1.02-1.14x the
 # mean of steps 2-3, which took 0.88-1.11x step 4 (1.00 on the mean), the first step the 4 warm-up steps of
-# WARMUP_STEPS sampled.
+# WARMUP_STEPS sampled. After the shorter profile (2026-12-02), Lite0 at 96 px in 3 fresh processes: step 2 took 1.07x
+# and 1.09x the mean of steps 3-4, 0.94x in the third (whose steps then sped up): still slow, not a sample.
 ANALYTIC_WARMUP_STEPS = 2
 # A cold process (below) that knows its warm step (`FirstWindow.warm_step`) plans this many: it tells a step still
 # warming up by 20% from a steady one by that step, and runs on past those (`cold_window_runs_on`), but not a step a

@@ -184,11 +184,18 @@ class BackwardRecorder:
         self._start = clock.stamp()
 
     def stop(self) -> StepBackward:
-        """The backward pass ended: what it did (the hooks removed)."""
-        seconds = self._clock.seconds(self._start, self._clock.stamp())
+        """The backward pass ended: what it did (the hooks removed, also when reading the clock fails)."""
+        try:
+            seconds = self._clock.seconds(self._start, self._clock.stamp())
+        finally:
+            self.cancel()
+        return StepBackward(seconds, frozenset(self._received))
+
+    def cancel(self) -> None:
+        """Remove the hooks; nothing is timed."""
         for handle in self._handles:
             handle.remove()
-        return StepBackward(seconds, frozenset(self._received))
+        self._handles = []
 
 
 @dataclass

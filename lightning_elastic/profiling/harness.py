@@ -47,11 +47,10 @@ __all__ = [
 # One of them is the fit's first step (or a pass of its own for the key). MiniLM on e-mails, a 0.6 s step: 4.2 s and
 # 1.7 s.
 PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
-# ... less what the fit's first step does for it (`FirstStep`): its pass is the fingerprint's; for "flops" its timed
-# backward pass is the full step's backward too, so that only its op-counting pass and one plain forward are left (the
-# plain full step and the second forward that bracketed it took 1.2 s of a 1.9 s profile of Lite0 on ELPV, a 0.6 s
-# step, in a benchmark process).
-FIRST_STEP_SAVES: dict[TimingMethod, int] = {"measured": 1, "flops": 2}
+# ... less what the fit's first step does for it (`FirstStep`): its pass is the fingerprint's (one step), and on CPU
+# its timed backward pass is the analytic profile's full step's backward too (one more), so that only the op-counting
+# pass and one plain forward are left (the plain full step and the second forward that bracketed it took 1.2 s of a
+# 1.9 s profile of Lite0 on ELPV, a 0.6 s step, in a benchmark process).
 # `time_model="auto"` measures the profile when it costs at most the own-time share of the planned fit
 # (`windows.OWN_SHARE`, which the probe windows get what is left of), else takes the analytic one. Holding the first
 # window to that share too sent Fashion-MNIST's 400-step fits at 2x to the analytic profile: it predicted their selected
@@ -66,16 +65,23 @@ FORWARD_SHARE = 1 / 3
 
 
 class ProfileChoice(NamedTuple):
-    """The time model a fit profiles with (`of`), whether a cached measured profile comes first (`auto`), and
-    whether profiling takes the fit's first step as its first pass (`first_step`, `FirstStep`)."""
+    """The time model a fit profiles with (`of`), whether a cached measured profile comes first (`auto`), whether
+    profiling takes the fit's first step as its first pass (`first_step`, `FirstStep`), and whether that step's
+    backward pass is the analytic profile's full step's (`first_backward`: on CPU, `measure_profile`)."""
 
     method: TimingMethod
     auto: bool
     first_step: bool = False
+    first_backward: bool = False
 
     @classmethod
     def of(
-        cls, time_model: TimeModel, total_steps: int | None, speedup: float, first_step: bool = False
+        cls,
+        time_model: TimeModel,
+        total_steps: int | None,
+        speedup: float,
+        first_step: bool = False,
+        first_backward: bool = False,
     ) -> ProfileChoice:
         """`time_model`, or for "auto" the measured model when its first profile (`steps`) costs at most
         `windows.OWN_SHARE` of the fit's planned `total_steps / speedup` full steps, times `room(speedup)` (always when
@@ -90,14 +96,15 @@ class ProfileChoice(NamedTuple):
             >>> ProfileChoice.of("auto", 400, 3.0, first_step=True).method  # no room above the forward pass
             'flops'
             >>> ProfileChoice.of("auto", None, 2.0).method, ProfileChoice.of("measured", 10, 2.0)
-            ('measured', ProfileChoice(method='measured', auto=False, first_step=False))
+            ('measured', ProfileChoice(method='measured', auto=False, first_step=False, first_backward=False))
         """
+        first_backward = first_step and first_backward
         if time_model != "auto":
-            return cls(time_model, auto=False, first_step=first_step)
-        measured = cls("measured", auto=True, first_step=first_step)
+            return cls(time_model, auto=False, first_step=first_step, first_backward=first_backward)
+        measured = cls("measured", auto=True, first_step=first_step, first_backward=first_backward)
         budget = windows.OWN_SHARE * cls.room(speedup) * (total_steps or 0) / speedup + 1e-9  # within rounding
         affordable = total_steps is None or measured.steps <= budget
-        return measured if affordable else cls("flops", auto=True, first_step=first_step)
+        return measured if affordable else measured._replace(method="flops")
 
     @staticmethod
     def room(speedup: float) -> float:
@@ -113,16 +120,16 @@ class ProfileChoice(NamedTuple):
 
     @property
     def steps(self) -> int:
-        """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less `FIRST_STEP_SAVES` when
-        the fit's first step is the profile's first pass."""
-        return PROFILE_STEPS[self.method] - FIRST_STEP_SAVES[self.method] * int(self.first_step)
+        """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less one when the fit's first
+        step is the profile's first pass, and one more when that step's backward pass is the analytic profile's."""
+        return PROFILE_STEPS[self.method] - int(self.first_step) - int(self.first_backward and self.method == "flops")
 
     def announce(self, module: nn.Module, speedup: float, cache_on: bool) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model; with
         `cache_on` (a cache directory is on), that a cached profile would be read instead."""
         count = sum(p.requires_grad for p in module.parameters())
         when = "after the first training step's backward pass" if self.first_step else "on the first batch"
-        timed = "scaled to this step's backward pass" if self.first_step else "one timed step"
+        timed = "scaled to this step's backward pass" if self.first_backward else "one timed step"
         what = f"with the analytic time model (op counts, {timed})" if self.method == "flops" else "measured"
         why = ""
         if self.auto and self.method == "flops":
@@ -157,9 +164,9 @@ def measure_profile(
 
     With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
     signature keys the cache, so profiling takes no pass of its own for it, if its inputs have the shapes of the
-    first batch (`_first_batch`, in data set order); the analytic profile then scales its op counts to that step's
-    timed backward pass (`FirstStep.backward`) and times no full step of its own. Else, as without `first`, on
-    the first batch with a pass of its own for the key. The key must not depend on the shuffle: inputs whose shapes
+    first batch (`_first_batch`, in data set order); on CPU the analytic profile then scales its op counts to that
+    step's timed backward pass (`FirstStep.backward`) and times no full step of its own. Else, as without `first`,
+    on the first batch with a pass of its own for the key. The key must not depend on the shuffle: inputs whose shapes
     vary per batch (text padded to the longest in its batch) would key a shuffled batch's shapes, and the next run, or
     the check of a resume or a second fit (`stale_reason`, on the first batch), would profile again. So the key, and
     the shapes timed, are the first batch's in every run. `Measured.timed` says whether this process ran the timing
@@ -169,7 +176,8 @@ def measure_profile(
     batch = _first_batch(trainer)
     signature, backward = None, None
     if first is not None and _shapes(first.batch) == _shapes(batch):
-        batch, signature, backward = first.batch, first.signature, first.backward
+        batch, signature = first.batch, first.signature
+        backward = first.backward if choice.first_backward else None
     batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
     phases = PhaseLines()
     with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
@@ -205,11 +213,13 @@ class FirstStep:
     and its timings need a device that has run the step once. The fit's first optimizer step is both: it opens the
     first probe window, so every candidate trains. The callback records its signature as it runs and profiles (or
     reads the cache) on its batch between its backward pass and its optimizer update: profiling takes no pass of its
-    own for the fingerprint, the analytic profile takes the step's backward pass (`backward`, timed from
-    `before_backward` to `after_backward`) as its full step's, and a speedup out of reach is still refused before any
-    parameter changes. The first backward pass of a process runs about as fast as the later ones (Lite0 on ELPV, fresh
-    processes: 443 and 495 ms against 399-466 ms for steps 2-8), its forward pass does not (435 and 380 ms against
-    163-243 ms), so the forward is timed plain by the profile. Its seconds up
+    own for the fingerprint, on CPU the analytic profile takes the step's backward pass (`backward`, timed from this
+    callback's `on_before_backward` to its `on_after_backward`: with whatever other hooks run between, one sample) as
+    its full step's, and a speedup out of reach is still refused before any parameter changes. On CPU the first
+    backward pass of a process runs about as fast as the later ones (Lite0 on ELPV, fresh processes: 443 and 495 ms
+    against 399-466 ms for steps 2-8), its forward pass does not (435 and 380 ms against 163-243 ms), so the forward is
+    timed plain by the profile; its full step's forward is that plain one, without the graph a training step records
+    (a few percent of the forward), which the fit's calibration to the full step it measures makes up. Its seconds up
     to the update (`timer`) are the first step's, charged to the fit.
 
     Only for one process running an eager module (`applies`: Lightning's single-device strategy): under DDP, even on
@@ -238,6 +248,13 @@ class FirstStep:
         self._recorder: StepSignature | None = None
         self._module: L.LightningModule | None = None
         self._own_step: Any = None
+
+    @staticmethod
+    def backward_applies(pl_module: L.LightningModule) -> bool:
+        """Whether the step's backward pass may be the analytic profile's full step's: on CPU, where a process's
+        first backward pass runs as fast as its later ones; on a GPU it may load its kernels and tune their algorithms
+        (`cudnn.benchmark`), which nothing here has measured, so the profile times a full step of its own there."""
+        return pl_module.device.type == "cpu"
 
     @staticmethod
     def applies(trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
@@ -271,6 +288,8 @@ class FirstStep:
     def before_backward(self) -> None:
         """The recorded micro-batch's backward pass starts."""
         if self._recorder is not None and self._recorder.complete and self._module is not None:
+            if self._backward is not None:  # a backward pass that never reported its end: not this one
+                self._backward.cancel()
             params = [p for p in self._module.parameters() if p.requires_grad]
             self._backward = BackwardRecorder(self._backward_clock, params)
 
@@ -285,7 +304,7 @@ class FirstStep:
     def close(self) -> None:
         """End a recording (a step that ran no backward pass, because `training_step` returned None, or failed)."""
         if self._backward is not None:
-            self._backward.stop()
+            self._backward.cancel()
             self._backward = None
         if self._recorder is not None:
             self._recorder.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from pathlib import Path
@@ -21,9 +22,10 @@ from torchmetrics.classification import MulticlassAUROC
 
 from lightning_elastic import ElasticTensorSelection, warmup, windows
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling import runner
+from lightning_elastic.profiling import harness, runner
 from lightning_elastic.profiling.harness import FirstStep
 from lightning_elastic.profiling.runner import Runner
+from lightning_elastic.timing import DeviceClock
 from tests.integration.test_callback import Recorder
 from tests.integration.tiny import TinyNet, tiny_data, tiny_trainer
 
@@ -109,7 +111,7 @@ def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_meas
     long = elastic(tmp_path / "empty")
     tiny_trainer(callbacks=[long], max_steps=8).fit(Counted(), tiny_data())
     assert long.timing_profile is not None and long.timing_profile.method == "measured"
-    assert long._choice == ("measured", True, True)
+    assert long._choice == ("measured", True, True, True)  # on CPU: the first backward is the step's
 
 
 def test_a_second_fit_that_can_pay_for_a_measured_profile_does_not_keep_the_first_fits_analytic_one(
@@ -136,19 +138,21 @@ def test_a_second_fit_that_can_pay_for_a_measured_profile_does_not_keep_the_firs
 def test_the_analytic_profile_takes_the_first_steps_backward_pass_as_its_full_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The fit's first step is the analytic profile's timed full step too: its backward pass, timed on the profiler's
-    clock (which ticks 1 ms a reading: the two readings around it are 1 ms apart), and one plain forward pass with
-    nothing selected; no full step of the profile's own. A fit that profiles as training starts (plain SGD) has no
-    step of its own yet, and times a full step between two plain forwards."""
+    """The fit's first step is the analytic profile's timed full step too: its backward pass, timed on a clock of its
+    own here (7 ms a reading, the profiler's 1 ms: the two readings around it are 7 ms apart), and one plain forward
+    pass with nothing selected; no full step of the profile's own. A fit that profiles as training starts (plain SGD)
+    has no step of its own yet, and times a full step between two plain forwards."""
     masks: list[list[bool]] = []
     own = Runner.plain
     monkeypatch.setattr(Runner, "plain", lambda self, mask: masks.append(list(mask)) or own(self, mask))
+    ticks = itertools.count()
+    monkeypatch.setattr(harness, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * 7e-3))
     callback = elastic(False, time_model="flops")
     tiny_trainer(callbacks=[callback], max_steps=4).fit(Counted(), tiny_data())
     prof = callback.timing_profile
     assert prof is not None and prof.method == "flops"
     assert masks == [[False] * len(prof.names)]
-    assert prof.t_full - prof.t_fw == pytest.approx(1e-3, abs=1e-12)
+    assert prof.t_full - prof.t_fw == pytest.approx(7e-3, abs=1e-12)
     masks.clear()  # profiling as training starts (plain SGD): no step ran, so the profile times a full step itself
     plain = Counted()
     plain.configure_optimizers = lambda: torch.optim.SGD(plain.parameters(), lr=0.05)  # type: ignore[method-assign]

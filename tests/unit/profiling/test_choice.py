@@ -24,12 +24,12 @@ def test_auto_measures_the_profile_where_it_costs_at_most_the_own_share_of_the_p
     room = min(1.0, (1 / speedup - harness.FORWARD_SHARE) / (1 / 2 - harness.FORWARD_SHARE))
     shortest = next(n for n in range(1, 100_000) if steps <= windows.OWN_SHARE * room * n / speedup + 1e-9)
     of = ProfileChoice.of
-    assert of("auto", shortest, speedup, first_step) == ("measured", True, first_step)
-    assert of("auto", shortest - 1, speedup, first_step) == ("flops", True, first_step)
-    assert of("auto", None, speedup, first_step) == ("measured", True, first_step)  # unknown length: a long fit
+    assert of("auto", shortest, speedup, first_step) == ("measured", True, first_step, False)
+    assert of("auto", shortest - 1, speedup, first_step) == ("flops", True, first_step, False)
+    assert of("auto", None, speedup, first_step) == ("measured", True, first_step, False)  # unknown length: a long fit
     for asked in ("measured", "flops"):
-        assert of(asked, 1, speedup, first_step) == (asked, False, first_step)  # explicit: held at any length
-        assert of(asked, 10**6, speedup, first_step) == (asked, False, first_step)
+        assert of(asked, 1, speedup, first_step) == (asked, False, first_step, False)  # explicit: held at any length
+        assert of(asked, 10**6, speedup, first_step) == (asked, False, first_step, False)
 
 
 @pytest.mark.parametrize("speedup", [3.0, 4.0, 10.0])
@@ -67,7 +67,7 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     module = Module()
     module.b.bias.requires_grad_(False)
     with caplog.at_level(logging.INFO):
-        ProfileChoice.of("auto", 90, 2.0, first_step=True).announce(module, 2.0, cache_on=True)
+        ProfileChoice.of("auto", 90, 2.0, first_step=True, first_backward=True).announce(module, 2.0, cache_on=True)
         ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0, cache_on=False)
         ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5, cache_on=True)
         ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0, cache_on=True)
@@ -75,8 +75,6 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     said = [r.getMessage() for r in caplog.records]
     steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
-    saves = harness.FIRST_STEP_SAVES
-    assert steps["flops"] - saves["flops"] == 1  # the op-counting pass and a plain forward pass
     assert "analytic time model (op counts, scaled to this step's backward pass) (about 1 training step," in said[0]
     assert f"time_model='auto': a measured profile (about {steps['measured'] - 1} training steps)" in said[0]
     assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
@@ -86,3 +84,16 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     assert "would be more than 2% of this fit (5%, scaled to the room a selected step has above the forward" in said[2]
     assert "would eat the little room a selected step has above the forward pass at 3x" in said[3]
     assert "would be more than 0.1% of this fit (5%, scaled to the room" in said[4]  # it read "more than 0%"
+
+
+def test_the_analytic_profile_costs_one_step_less_where_the_fits_first_backward_pass_is_its_full_steps() -> None:
+    """On CPU the fit's first step is the analytic profile's fingerprint and its timed backward pass: about 1 step
+    (the op-counting pass and a plain forward) of `PROFILE_STEPS`' 3; elsewhere (a GPU: `FirstStep.backward_applies`)
+    only the fingerprint, 2; profiling on its own, 3. The measured profile times its own passes in every case."""
+    assert harness.PROFILE_STEPS == {"measured": 7, "flops": 3}
+    cpu = ProfileChoice.of("flops", 100, 2.0, first_step=True, first_backward=True)
+    gpu = ProfileChoice.of("flops", 100, 2.0, first_step=True, first_backward=False)
+    alone = ProfileChoice.of("flops", 100, 2.0, first_step=False, first_backward=True)  # no step: no backward either
+    assert (cpu.steps, gpu.steps, alone.steps) == (1, 2, 3) and not alone.first_backward
+    assert ProfileChoice.of("measured", 100, 2.0, first_step=True, first_backward=True).steps == 6
+    assert ProfileChoice.of("auto", 100, 2.0, first_step=True, first_backward=True) == cpu._replace(auto=True)
