@@ -231,17 +231,23 @@ def _reach_at(
     reaches. Auto windows after the first get what the profiling left of the own-time share (`windows.after_profile`;
     a resumed fit's restored profile cost it nothing: windows as cached); a first window longer than the others (to
     time `T`, see `windows.auto_probe_plan`) is cut back to their length when it alone would put `speedup` out of this
-    fit's reach (`reach_shortening`)."""
+    fit's reach (`reach_shortening`). The floor is the profile's pass; where a fit with the profile remembered its
+    steady full step (`TimingProfile.t_step`, a cached profile's), the profile calibrated to that step as the fit's
+    selections calibrate it (`StepTimeModel.calibrated`): a pass timed slow has its backward scaled down to it, and
+    what the step took beyond the pass (the optimizer update and the loop, not told apart) is paid whole by every
+    step, the cheapest selection too. A first run knows neither before its first update."""
     settings, prof = fit.settings, fit.profile
     total = fit.plan.total_steps if calibrate else None
     if settings.probe_steps == "auto":
         spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
         schedule = windows.after_profile(schedule, speedup, spent, fit.warmup.warmup_steps)
     model = StepTimeModel.from_profile(prof)
+    if prof.t_step > 0:  # a fit remembered its steady step: the profile calibrated to it, as the fit's own steps will
+        model = StepTimeModel.calibrated(prof, prof.t_step, 0.0)  # (what it adds to the pass: paid by every step)
     schedule, limit = reach_shortening(
         schedule,
         speedup,
-        lambda planned: reach(model, fit.required, fit.forbidden, planned, total, profile_seconds, prof.t_full),
+        lambda planned: reach(model, fit.required, fit.forbidden, planned, total, profile_seconds, model.full),
         fit.warmup.warmup_steps,
     )
     cache_on, fixed, measured = settings.cache_dir is not False, settings.probe_steps != "auto", not fit.warmup.cold

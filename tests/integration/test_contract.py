@@ -576,6 +576,37 @@ def test_the_refusals_figure_is_the_largest_speedup_that_the_fit_reaches_when_as
     assert refused_at(round(largest + 0.01, 2)) == largest
 
 
+@pytest.mark.parametrize("remembered", [1.5, 0.5], ids=["a longer step", "a pass timed slow"])
+def test_a_remembered_steady_step_calibrates_the_floor_of_the_check_before_training(remembered: float) -> None:
+    """A cached profile knows the steady full step a fit measured with it (`t_step`): the check before training
+    calibrates the profile to it, as the fit's selections will (`StepTimeModel.calibrated`). A longer step's excess
+    over the pass (update and loop) is paid by every step, the cheapest too; a step shorter than the pass (the pass
+    timed while warming up) scales the backward down and keeps the forward. Either way the floor is that model's,
+    higher than the raw pass's here, and the fit reaches less; without `t_step`, the raw pass."""
+
+    def refused_at(profile: Any) -> tuple[float, str]:
+        device = VirtualDevice(1.0)
+        callback = ElasticTensorSelection(
+            speedup=50.0, interval=8, interval_unit="step", profile=profile, clock=device.clock
+        )
+        with pytest.raises(SpeedupOutOfReach) as refused:
+            tiny_trainer(callbacks=[device, callback], max_steps=200, max_epochs=-1).fit(TinyNet(), tiny_data())
+        share = re.search(r"take (\d+)% of a full step", str(refused.value))
+        assert share is not None
+        return refused.value.reachable, share.group(1)
+
+    def floor(model: StepTimeModel) -> str:
+        none = [False] * len(PROFILE.names)
+        return f"{100 * model.cheapest(none, none) / model.full:.0f}"
+
+    alone, alone_share = refused_at(PROFILE)
+    assert alone_share == floor(StepTimeModel.from_profile(PROFILE))
+    cached = dataclasses.replace(PROFILE, t_step=PROFILE.t_full * remembered)
+    reached, share = refused_at(cached)
+    assert share == floor(StepTimeModel.calibrated(PROFILE, cached.t_step, 0.0)) and int(share) > int(alone_share)
+    assert reached < alone
+
+
 @pytest.mark.parametrize("profiled", ["given", "in the first step"])
 def test_the_callbacks_own_seconds_as_the_fit_begins_are_charged(
     profiled: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
