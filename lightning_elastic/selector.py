@@ -50,7 +50,8 @@ class Selection:
             problems.append(f"`mask` must be a tuple of bools, one per tensor. Found: {shown}")
         for name, low in (("importance", -math.inf), ("cost", 0.0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value < low:
                 bound = "a finite number" if low == -math.inf else "a finite number >= 0"
                 problems.append(f"`{name}` must be {bound}. Found: {value!r}")
         if problems:

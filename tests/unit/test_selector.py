@@ -339,6 +339,7 @@ def test_when_the_dynamic_program_selects_nothing_the_fallback_is_the_best_singl
         ({"mask": [True, False]}, r"Found: \[True, False\]$"),
         ({"mask": (1, 0)}, r"Found: \(1, 0\)$"),
         ({"importance": "high"}, r"`importance` must be a finite number. Found: 'high'$"),
+        ({"importance": -math.inf}, r"`importance` must be a finite number. Found: -inf$"),
         ({"cost": -1.0}, r"`cost` must be a finite number >= 0. Found: -1.0$"),
         ({"cost": math.nan}, r"`cost` must be a finite number >= 0. Found: nan$"),
     ],
