@@ -4,7 +4,7 @@ The callback is the method's table of contents; each step lives in its own modul
 
 0. start    (`startup`)                        refuse what the method cannot run with; the schedule from the Trainer;
 1. profile  (`profiling.harness`)              per-tensor backward times of this model on this device, cached,
-                                                measured inside the fit's first step (`FirstStep`);
+                                                measured inside the fit's first step (`first_step.FirstStep`);
 2. plan     (`planner.WallClockPlan`)         the wall-clock contract: what every step may cost from here on;
 3. probe    (`importance.ImportanceEvaluator`) importance from real updates: of every tensor in probe windows,
                                                 of the trained ones at every other step;
@@ -41,7 +41,8 @@ from lightning_elastic.inspection import selection_map
 from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimeModel, TimingProfile
 from lightning_elastic.profiling.cache import resolve_cache_dir
-from lightning_elastic.profiling.harness import FirstStep, ProfileChoice, measure_profile
+from lightning_elastic.profiling.first_step import FirstStep
+from lightning_elastic.profiling.harness import ProfileChoice, measure_profile
 from lightning_elastic.profiling.reuse import reusable_profile
 from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule

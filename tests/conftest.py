@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_elastic.profiling import harness, runner
+from lightning_elastic.profiling import first_step, runner
 from lightning_elastic.timing import DeviceClock
 
 
@@ -29,4 +29,4 @@ def ticking_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
     ticks = itertools.count()
     ticking = lambda device, clock: DeviceClock(device, lambda: next(ticks) * 1e-3)  # noqa: E731
     monkeypatch.setattr(runner, "DeviceClock", ticking)
-    monkeypatch.setattr(harness, "DeviceClock", ticking)  # the fit's first backward pass, when it is the profile's
+    monkeypatch.setattr(first_step, "DeviceClock", ticking)  # the fit's first backward pass, when it is the profile's

@@ -27,14 +27,16 @@ How ``profile(method="measured")`` measures, on the device the model is on:
    "everything above ``d``" selections: the model is rescaled segment by segment to match them.
 
 ``method="flops"`` replaces the hooks with an analytic count of each op's backward work (see
-`lightning_elastic.profiling.flops`), scaled so that the full step matches one plain measured step.
+`lightning_elastic.profiling.flops`), scaled so that the full step matches one plain measured step (in a fit on CPU,
+the fit's first step's backward pass and one plain forward).
 
 Modules: `profile` (the `TimingProfile` type and its one JSON reader/writer), `cache` (the per-user cache: where, its
 key, its entries), `runner` (`profile` itself: its arguments, the model left as found), `passes` (the passes of one
 profile and the two methods that combine them), `graph` (recording and walking the autograd graph), `attribution` (node
 times to tensors, aligning graphs that differ), `calibration` (against plain timings), `flops` (analytic op costs),
 `state` (what profiling must leave as it found), `harness` (the first training batch to the loss, as Lightning's own
-step computes it), `reuse` (which profile a fit can use without measuring).
+step computes it), `first_step` (the fit's first step recorded as the profile's first pass), `reuse` (which profile a
+fit can use without measuring).
 """
 
 from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile

@@ -168,7 +168,7 @@ class Pass:
 @dataclass(frozen=True)
 class StepBackward:
     """The backward pass of a training step that just ran, as a profile keyed by its `StepSignature` takes it
-    (`harness.FirstStep`): its seconds on the profiler's clock, and the ``id()`` of every parameter it computed a
+    (`first_step.FirstStep`): its seconds on the profiler's clock, and the ``id()`` of every parameter it computed a
     gradient for (`runner.profile` refuses one the graph walked from the loss does not show)."""
 
     seconds: float
@@ -214,7 +214,7 @@ class StepSignature:
     autograd node types of the backward graph in structural order (a changed functional op, a
     ``CheckpointFunctionBackward``); ``recomputed``: the module calls that backward makes again (gradient
     checkpointing recomputes its segments' forward, whatever its implementation). The profiler's own fingerprint
-    pass and the fit's first training step (`harness.FirstStep`) record it alike: hooks on every module from
+    pass and the fit's first training step (`first_step.FirstStep`) record it alike: hooks on every module from
     construction until `close`, and the loss's `grad_fn` between the forward pass and the backward pass.
 
     Example:

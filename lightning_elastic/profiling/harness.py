@@ -2,13 +2,13 @@
 
 `training_step` is that loss as a callable; `ProfileChoice` says which time model a fit profiles with (what it can
 pay for); `measure_profile` measures one on that step, or reads it from the cache, on the first batch or on the
-batch of the fit's first step (`FirstStep`). Which profile a fit can use without measuring is `reuse`'s.
+batch of the fit's first step (`first_step.FirstStep`). Which profile a fit can use without measuring is `reuse`'s.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Sized
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 import lightning as L
 import torch
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -25,15 +24,12 @@ from torch.utils.data import DataLoader
 from lightning_elastic import windows
 from lightning_elastic.distributed import any_rank
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.freezing import is_compiled
+from lightning_elastic.profiling.first_step import FirstStep, loss_in
 from lightning_elastic.profiling.flops import tensors_in
-from lightning_elastic.profiling.graph import BackwardRecorder, StepBackward, StepSignature
 from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile
 from lightning_elastic.profiling.runner import profile
-from lightning_elastic.timing import DeviceClock, StepTimer
 
 __all__ = [
-    "FirstStep",
     "Measured",
     "PhaseLines",
     "ProfileChoice",
@@ -206,117 +202,6 @@ class Measured(NamedTuple):
     timed: bool
 
 
-class FirstStep:
-    """The fit's first training step, run by Lightning as usual, taken as the profile's fingerprint pass.
-
-    A profile is keyed by the step's `StepSignature` (one forward and backward pass with every candidate trained),
-    and its timings need a device that has run the step once. The fit's first optimizer step is both: it opens the
-    first probe window, so every candidate trains. The callback records its signature as it runs and profiles (or
-    reads the cache) on its batch between its backward pass and its optimizer update: profiling takes no pass of its
-    own for the fingerprint, on CPU the analytic profile takes the step's backward pass (`backward`, timed from this
-    callback's `on_before_backward` to its `on_after_backward`: with whatever other hooks run between, one sample) as
-    its full step's, and a speedup out of reach is still refused before any parameter changes. On CPU the first
-    backward pass of a process runs about as fast as the later ones (Lite0 on ELPV, fresh processes: 443 and 495 ms
-    against 399-466 ms for steps 2-8), its forward pass does not (435 and 380 ms against 163-243 ms), so the forward is
-    timed plain by the profile; its full step's forward is that plain one, without the graph a training step records
-    (a few percent of the forward), which the fit's calibration to the full step it measures makes up. Its seconds up
-    to the update (`timer`) are the first step's, charged to the fit.
-
-    Only for one process running an eager module (`applies`: Lightning's single-device strategy): under DDP, even on
-    one device, the wrapper adds its own nodes to the step's graph, and a compiled module's hooks are traced, not
-    run. And only with an optimizer that keeps state for each tensor (Adam, momentum SGD): the profiling passes run
-    while the step's gradients are held for its update, which costs no memory above a training step only when the
-    update holds at least as much; plain SGD (no momentum) keeps none, so its fits profile before the first step
-    (docs/memory.md). The callback also needs a fit that starts afresh (a resumed one restores a selection).
-    Otherwise profiling takes its own pass as training starts. `train_never` tensors are frozen before the first step
-    (`freezing.freeze_never`): it does not train them, and the profile, like any profile, covers the tensors that
-    require grad. The key is that of the data set's first batch (`measure_profile`): inputs whose shapes vary from
-    batch to batch (padding to the longest sequence) take a pass of their own for it when this step's shapes differ.
-    """
-
-    def __init__(self, device: torch.device, clock: Callable[[], float], setup_seconds: float = 0.0) -> None:
-        self.timer = StepTimer(device, clock)
-        self.setup_seconds = setup_seconds  # what the callback spent as training started, charged with profiling
-        # The recorded micro-batch's backward pass, on the profiler's clock (`profile` times every other pass of the
-        # profile on it: CUDA events, else `time.perf_counter`), not the callback's `clock`, injected by tests.
-        self._backward_clock = DeviceClock(device, None)
-        self._backward: BackwardRecorder | None = None
-        self.backward: StepBackward | None = None
-        self.batch: Any = None
-        self.batch_idx = 0  # of `batch` in its epoch: `training_step` may branch on it (skip batch 0, say)
-        self.signature: dict[str, Any] | None = None
-        self._recorder: StepSignature | None = None
-        self._module: L.LightningModule | None = None
-        self._own_step: Any = None
-
-    @staticmethod
-    def backward_applies(pl_module: L.LightningModule) -> bool:
-        """Whether the step's backward pass may be the analytic profile's full step's: on CPU, where a process's
-        first backward pass runs as fast as its later ones; on a GPU it may load its kernels and tune their algorithms
-        (`cudnn.benchmark`), which nothing here has measured, so the profile times a full step of its own there."""
-        return pl_module.device.type == "cpu"
-
-    @staticmethod
-    def applies(trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
-        stateless = any(
-            isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) == 0 for g in optimizer.param_groups)
-            for optimizer in trainer.optimizers
-        )
-        return isinstance(trainer.strategy, SingleDeviceStrategy) and not is_compiled(pl_module) and not stateless
-
-    def batch_start(self, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        """A step's first micro-batch starts: record it (until one step has recorded a whole signature).
-
-        The loss's graph is taken from what `training_step` returns, as the profiler's own pass takes it, not from
-        the loss Lightning differentiates (divided by the micro-batches, scaled by a mixed-precision scaler).
-        """
-        if self.signature is not None or self._recorder is not None:
-            return
-        self.batch, self.batch_idx, self._module = batch, batch_idx, pl_module
-        recorder = self._recorder = StepSignature(pl_module)
-        self._own_step = vars(pl_module).get("training_step")
-        step = pl_module.training_step
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            output = step(*args, **kwargs)
-            if (loss := _loss_in(output)) is not None and not recorder.complete:
-                recorder.loss(loss.grad_fn)
-            return output
-
-        pl_module.training_step = recorded  # type: ignore[method-assign]
-
-    def before_backward(self) -> None:
-        """The recorded micro-batch's backward pass starts."""
-        if self._recorder is not None and self._recorder.complete and self._module is not None:
-            if self._backward is not None:  # a backward pass that never reported its end: not this one
-                self._backward.cancel()
-            params = [p for p in self._module.parameters() if p.requires_grad]
-            self._backward = BackwardRecorder(self._backward_clock, params)
-
-    def after_backward(self) -> None:
-        if self._recorder is not None and self._recorder.complete:
-            self.backward = None if self._backward is None else self._backward.stop()
-            self._backward = None
-            signature = self._recorder.signature()
-            self.close()
-            self.signature = signature
-
-    def close(self) -> None:
-        """End a recording (a step that ran no backward pass, because `training_step` returned None, or failed)."""
-        if self._backward is not None:
-            self._backward.cancel()
-            self._backward = None
-        if self._recorder is not None:
-            self._recorder.close()
-            self._recorder = None
-        if self._module is not None:
-            if self._own_step is None:
-                vars(self._module).pop("training_step", None)
-            else:
-                self._module.training_step = self._own_step  # type: ignore[method-assign]
-            self._module = None
-
-
 class PhaseLines:
     """One rank-zero line as each profiling phase starts, with the seconds spent so far (a large model's profile
     takes minutes, and says where it is); and whether the timing passes ran (`timed`), which a cached profile skips."""
@@ -350,15 +235,9 @@ def training_step(
         yield compute_loss
 
 
-def _loss_in(output: Any) -> Tensor | None:
-    """The loss a `training_step` returned (a tensor, or a mapping with "loss"); None when it returned none."""
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    return loss if isinstance(loss, Tensor) else None
-
-
 def _loss_of(output: Any, batch_idx: int) -> Tensor:
     """The loss a `training_step` returned, which profiling needs."""
-    loss = _loss_in(output)
+    loss = loss_in(output)
     if loss is None:
         raise ElasticConfigError(
             "`ElasticTensorSelection` profiles the real training step, so `training_step` must return the loss "

@@ -70,10 +70,10 @@ def profile(
         progress: called as each phase starts with ``(k, n, what)``: phase ``k`` of ``n`` (1: the fingerprint,
             which a cached profile ends with; 2: the instrumented or op-counting passes; 3: the plain timings).
         signature: the step's `StepSignature`, recorded by the caller on a training step that just ran on the same
-            batch (the fit's first, `harness.FirstStep`): then profiling takes no fingerprint pass of its own, and
+            batch (the fit's first, `first_step.FirstStep`): then profiling takes no fingerprint pass of its own, and
             that step was the device's warm-up. Its backward graph must be the one of every candidate trained.
         backward: that step's backward pass (with `signature`): its seconds, which the ``"flops"`` method scales its
-            op counts to, timing a plain forward pass alone and no full step of its own (`harness.FirstStep`), and
+            op counts to, timing a plain forward pass alone and no full step of its own (`first_step.FirstStep`), and
             the parameters it computed gradients for.
         cached_first: methods whose cached profile of this step is taken, when there is one, before the cache of
             ``method`` is looked up or anything is timed (the callback's "auto" prefers a measured profile it

@@ -1,4 +1,4 @@
-"""The fit's first training step is the profile's fingerprint pass (`harness.FirstStep`): nothing else changes."""
+"""The fit's first training step is the profile's fingerprint pass (`first_step.FirstStep`): nothing else changes."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from torchmetrics.classification import MulticlassAUROC
 
 from lightning_elastic import ElasticTensorSelection, warmup, windows
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling import harness, runner
-from lightning_elastic.profiling.harness import FirstStep
+from lightning_elastic.profiling import first_step, runner
+from lightning_elastic.profiling.first_step import FirstStep
 from lightning_elastic.profiling.runner import Runner
 from lightning_elastic.timing import DeviceClock
 from tests.integration.test_callback import Recorder
@@ -146,7 +146,7 @@ def test_the_analytic_profile_takes_the_first_steps_backward_pass_as_its_full_st
     own = Runner.plain
     monkeypatch.setattr(Runner, "plain", lambda self, mask: masks.append(list(mask)) or own(self, mask))
     ticks = itertools.count()
-    monkeypatch.setattr(harness, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * 7e-3))
+    monkeypatch.setattr(first_step, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * 7e-3))
     callback = elastic(False, time_model="flops")
     tiny_trainer(callbacks=[callback], max_steps=4).fit(Counted(), tiny_data())
     prof = callback.timing_profile

@@ -390,7 +390,7 @@ def test_a_corrupt_profile_only_asked_first_is_passed_over_without_a_word(tmp_pa
 def test_the_analytic_profile_of_a_step_that_just_ran_takes_its_backward_pass_and_times_one_plain_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the backward seconds of the training step that keyed it (`harness.FirstStep`), the analytic profile runs
+    """With the backward seconds of the training step that keyed it (`first_step.FirstStep`), the analytic profile runs
     its op-counting pass and one plain forward with nothing selected, no full step of its own: the forward is the
     quicker of the two forwards (4 fake seconds, four layers of 1), the full step that forward plus the backward
     given, and its op counts are scaled to that backward."""
