@@ -197,10 +197,8 @@ class ElasticTensorSelection(Callback):
         self._user = freeze_never(pl_module, settings.train_always, settings.train_never, settings.bn_policy)  # first
         restored = self._restored.get("profile") if self._restored else None
         first_step = self._restored is None and FirstStep.applies(trainer, pl_module)
-        first_backward = first_step and FirstStep.backward_applies(pl_module)
-        self._choice = choice = ProfileChoice.of(
-            settings.time_model, self._schedule[1], settings.speedup, first_step, first_backward
-        )
+        backward = FirstStep.backward_applies(pl_module)  # the analytic profile's too, if the first step is its
+        self._choice = choice = ProfileChoice.of(settings.time_model, total, settings.speedup, first_step, backward)
         prof = reusable_profile(trainer, pl_module, settings.profile, restored, self._profile, choice)
         timed = False
         if prof is None:
