@@ -30,7 +30,8 @@ class FirstStep:
     its full step's, and a speedup out of reach is still refused before any parameter changes. On CPU the first
     backward pass of a process runs about as fast as the later ones (Lite0 on ELPV, fresh processes: 443 and 495 ms
     against 399-466 ms for steps 2-8), its forward pass does not (435 and 380 ms against 163-243 ms), so the forward is
-    timed plain by the profile; its full step's forward is that plain one, without the graph a training step records
+    timed plain by the profile (a full step too after a first backward pass of over `passes.FIRST_BACKWARD_MAX`
+    forwards); its full step's forward is that plain one, without the graph a training step records
     (a few percent of the forward), which the fit's calibration to the full step it measures makes up. Its seconds up
     to the update (`timer`) are the first step's, charged to the fit.
 

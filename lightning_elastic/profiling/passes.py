@@ -32,6 +32,14 @@ __all__ = ["PHASES", "Progress", "Result", "Runner"]
 
 Progress = Callable[[int, int, str], None]  # phase k of n starts, doing `what`
 PHASES = 3
+# The analytic profile takes the fit's first backward pass as its full step's only when it took at most this many
+# plain forward passes (`Runner._run_flops`). A steady backward pass takes about 1.5-2.6 (Lite0 at 96 px about 2.5,
+# a 12-layer MLP 1.5), a process's first one of Lite0 2.3-4.0 (3 fresh processes); where each op's first call is a
+# real share of it, far more, and the profile then times a full step of its own: a tiny MLP's first backward pass
+# took 18-23 forward passes under bf16-mixed on CPU (16 ms for a steady 1.1 ms) and let 3.5x past the check before
+# training, which the fit then missed at 1.5x; another callback's 10 ms in `on_after_backward` on a 0.7 ms forward
+# pass is caught alike.
+FIRST_BACKWARD_MAX = 5.0
 
 
 def _release(leaves: list[Tensor]) -> None:
@@ -262,13 +270,19 @@ class Runner:
         raw, order = structure.flop_costs(record), structure.order
         # The recorded graph ran no backward pass: its nodes still hold the forward's saved activations.
         del loss, record, structure, recorder
+        if backward is not None:  # the training step's backward, and the quicker of two forwards (a disturbed one is
+            # slower), unless that backward took too many forwards to be a steady one (`FIRST_BACKWARD_MAX`)
+            self.progress(3, PHASES, "a plain forward pass (the full step's backward is the training step's)")
+            forward = min(self.plain([False] * n)[0], counting)
+            if backward <= FIRST_BACKWARD_MAX * forward:
+                t_fw, t_full = forward, forward + backward
+            else:
+                times = f"{backward / forward:.1f}" if forward > 0 else f"more than {FIRST_BACKWARD_MAX:g}"
+                self.progress(3, PHASES, f"the training step's backward pass took {times} forward passes, not steady")
+                backward = None
         if backward is None:  # a full step bracketed by plain forwards, re-timed while the machine is disturbed
             self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
             t_fw, (t_full,) = suffix_times(self.plain, len(self.params), order, [0], repeats)
-        else:  # the training step's backward pass, and the quicker of two forward passes (a disturbed one is slower)
-            self.progress(3, PHASES, "a plain forward pass (the full step's backward is the training step's)")
-            t_fw = min(self.plain([False] * n)[0], counting)
-            t_full = t_fw + backward
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
         scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
         raw.scale(scale)

@@ -24,6 +24,7 @@ from lightning_elastic import ElasticTensorSelection, warmup, windows
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling import first_step, runner
 from lightning_elastic.profiling.first_step import FirstStep
+from lightning_elastic.profiling.passes import FIRST_BACKWARD_MAX
 from lightning_elastic.profiling.runner import Runner
 from lightning_elastic.timing import DeviceClock
 from tests.integration.test_callback import Recorder
@@ -135,24 +136,29 @@ def test_a_second_fit_that_can_pay_for_a_measured_profile_does_not_keep_the_firs
     assert third.calls == 8 + 1  # and costs no profiling: only the stale check's fingerprint pass
 
 
+@pytest.mark.parametrize("tick", [3e-3, 7e-3])
 def test_the_analytic_profile_takes_the_first_steps_backward_pass_as_its_full_steps(
-    monkeypatch: pytest.MonkeyPatch,
+    tick: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fit's first step is the analytic profile's timed full step too: its backward pass, timed on a clock of its
-    own here (7 ms a reading, the profiler's 1 ms: the two readings around it are 7 ms apart), and one plain forward
-    pass with nothing selected; no full step of the profile's own. A fit that profiles as training starts (plain SGD)
-    has no step of its own yet, and times a full step between two plain forwards."""
+    own here (3 ms a reading: the two readings around it are 3 ms apart), and one plain forward pass with nothing
+    selected (1 ms on the profiler's clock); no full step of the profile's own. A backward pass of 7 ms, more than
+    `FIRST_BACKWARD_MAX` forwards, is a process still warming up: the profile times a full step between two plain
+    forwards, as a fit that profiles as training starts (plain SGD), which has no step of its own yet, does."""
     masks: list[list[bool]] = []
     own = Runner.plain
     monkeypatch.setattr(Runner, "plain", lambda self, mask: masks.append(list(mask)) or own(self, mask))
     ticks = itertools.count()
-    monkeypatch.setattr(first_step, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * 7e-3))
+    monkeypatch.setattr(first_step, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * tick))
     callback = elastic(False, time_model="flops")
     tiny_trainer(callbacks=[callback], max_steps=4).fit(Counted(), tiny_data())
     prof = callback.timing_profile
-    assert prof is not None and prof.method == "flops"
-    assert masks == [[False] * len(prof.names)]
-    assert prof.t_full - prof.t_fw == pytest.approx(7e-3, abs=1e-12)
+    assert prof is not None and prof.method == "flops" and prof.t_fw == pytest.approx(1e-3, abs=1e-12)
+    if tick * 1e3 <= FIRST_BACKWARD_MAX:
+        assert masks == [[False] * len(prof.names)]
+        assert prof.t_full - prof.t_fw == pytest.approx(tick, abs=1e-12)
+    else:
+        assert [all(m) for m in masks] == [False, False, True, False] and prof.t_full != prof.t_fw + tick
     masks.clear()  # profiling as training starts (plain SGD): no step ran, so the profile times a full step itself
     plain = Counted()
     plain.configure_optimizers = lambda: torch.optim.SGD(plain.parameters(), lr=0.05)  # type: ignore[method-assign]

@@ -411,6 +411,33 @@ def test_the_analytic_profile_of_a_step_that_just_ran_takes_its_backward_pass_an
     assert measured.t_fw == 4.0 and measured.t_full == 4.0 + 4 * 3.0 + 3 * 2.0  # no input gradient below layer 0
 
 
+@pytest.mark.parametrize(("backward", "taken"), [(20.0, True), (20.5, False)])
+def test_a_first_backward_pass_of_more_than_five_forward_passes_is_not_taken_as_steady(
+    backward: float, taken: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward pass takes 4 fake seconds: a step's backward pass of 20 (`FIRST_BACKWARD_MAX` forwards) is the full
+    step's; one of 20.5 is a process still warming up (or other hooks' time), and the profile times a full step of its
+    own between two plain forwards, as without one (22 fake seconds), and says so."""
+    clock = FakeClock()
+    net = nn.Sequential(*[FakeLayer(clock, (1.0, 2.0, 3.0)) for _ in range(4)])
+    x = torch.randn(2, 3)
+    masks: list[list[bool]] = []
+    phases: list[str] = []
+    own = Runner.plain
+    monkeypatch.setattr(Runner, "plain", lambda self, mask: masks.append(list(mask)) or own(self, mask))
+    ran = StepBackward(backward, frozenset())
+    prof = profile(
+        net, lambda: net(x).sum(), method="flops", clock=clock, signature={"step": "ran"}, backward=ran,
+        progress=lambda k, n, what: phases.append(what),
+    )  # fmt: skip
+    if taken:
+        assert masks == [[False] * 4] and (prof.t_fw, prof.t_full) == (4.0, 24.0)
+    else:
+        assert masks == [[False] * 4, [False] * 4, [True] * 4, [False] * 4] and (prof.t_fw, prof.t_full) == (4.0, 22.0)
+        assert "the training step's backward pass took 5.1 forward passes, not steady" in phases
+        assert phases[-1] == "plain timings of a full step, 1 or more rounds"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
