@@ -133,11 +133,14 @@ def profile(
         result = runner.run(method, warmup, repeats, None if backward is None else backward.seconds)
         if hidden := runner.hidden(result.order):
             raise ElasticConfigError(
-                "Every tensor that gets a gradient must be a node of the autograd graph before backward runs, so "
-                "that its cost can be timed and its training kept within the budget; tensors under reentrant "
-                "gradient checkpointing (`torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`, what some "
+                "Every tensor that gets a gradient must be a node of the autograd graph of the loss `training_step` "
+                "returns before backward runs, so that its cost can be timed and its training kept within the "
+                "budget. Two ways to miss it: tensors under reentrant gradient checkpointing "
+                "(`torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`, what some "
                 "`gradient_checkpointing_enable()` pass) enter it only while backward recomputes them: use "
-                f"`use_reentrant=False`, or keep them out with `train_never`. Found only during backward: {hidden[:5]}"
+                "`use_reentrant=False`; and a loss that `training_step` does not return (added in an overridden "
+                "`backward` or a hook): return the whole loss. Or keep them out with `train_never`. Found only "
+                f"during backward: {hidden[:5]}"
             )
         candidates = runner.candidates
         prof = TimingProfile(

@@ -219,10 +219,46 @@ def test_reentrant_checkpointing_is_refused_before_any_update_naming_the_tensors
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     trainer = tiny_trainer(callbacks=[profiling(time_model=time_model)], max_epochs=3)
     hidden = r"\['net\.3\.weight', 'net\.3\.bias', 'net\.5\.weight', 'net\.5\.bias'\]$"
-    with pytest.raises(ElasticConfigError, match=r"use `use_reentrant=False`, .* Found only during backward: " + hidden):
+    with pytest.raises(ElasticConfigError, match=r"use `use_reentrant=False`; .* Found only during backward: " + hidden):
         trainer.fit(module, data())
     assert trainer.global_step == 0 and all(torch.equal(p, before[n]) for n, p in module.named_parameters())
     assert all(p.requires_grad for p in module.parameters())
+
+
+class AuxInBackward(TinyNet):
+    """A regulariser that `training_step` keeps apart (for logging, say) and an overridden `backward` adds: its
+    tensors get gradients in every step, outside the graph of the loss `training_step` returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(16, 1)
+        self.aux_loss: Tensor | None = None
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.aux_loss = self.aux(batch[0]).pow(2).mean()
+        return super().training_step(batch, batch_idx)
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        assert self.aux_loss is not None
+        (loss + 0.01 * self.aux_loss).backward(*args, **kwargs)
+
+
+@pytest.mark.usefixtures("ticking_profiler")
+def test_a_loss_added_outside_the_returned_one_is_refused_before_any_update_with_both_ways_out() -> None:
+    """The fit's first step (Adam: it is the profile's first pass) computed gradients the returned loss's graph does
+    not reach: refused before the first update, naming the tensors, with the way out of this case (return the whole
+    loss) beside the reentrant checkpoint's; before, the message named the checkpoint alone."""
+    torch.manual_seed(0)
+    module = AuxInBackward()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer = tiny_trainer(callbacks=[profiling(time_model="flops")], max_epochs=3)
+    with pytest.raises(
+        ElasticConfigError,
+        match=r"a loss that `training_step` does not return \(added in an overridden `backward` or a hook\): return the "
+        r"whole loss\. .* Found only during backward: \['aux\.weight', 'aux\.bias'\]$",
+    ):
+        trainer.fit(module, data())
+    assert trainer.global_step == 0 and all(torch.equal(p, before[n]) for n, p in module.named_parameters())
 
 
 @pytest.mark.usefixtures("ticking_profiler")
