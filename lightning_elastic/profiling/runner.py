@@ -86,8 +86,8 @@ def profile(
     Raises:
         ValueError: unknown ``method``, bad ``warmup`` or ``repeats``, an empty ``cache_dir``, no parameter that
             requires grad, or ``compute_loss`` does not return a scalar that requires grad.
-        TypeError: ``model`` is not a module, ``compute_loss`` or ``clock`` is not callable, or ``cache_dir`` is
-            not a path.
+        TypeError: ``model`` is not a module, ``compute_loss`` or ``clock`` is not callable, ``cache_dir`` is not a
+            path, or ``backward`` is not a `StepBackward`.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -109,6 +109,11 @@ def profile(
         raise ValueError(f"`cache_dir` must be a directory path, or None (no cache). Found: {cache_dir!r}")
     if clock is not None and not callable(clock):
         raise TypeError(f"`clock` must be a callable returning seconds, or None. Found: {clock!r}")
+    if backward is not None and not isinstance(backward, StepBackward):
+        raise TypeError(
+            "`backward` must be a `StepBackward` (its seconds and the parameters it reached), or None. "
+            f"Found: {backward!r}"
+        )
     if backward is not None and (signature is None or not 0 <= backward.seconds < math.inf):
         raise ValueError(
             "`backward` must be the backward pass (seconds >= 0) of the step whose `signature` is given. "

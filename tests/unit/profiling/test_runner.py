@@ -450,3 +450,9 @@ def test_a_backward_pass_without_its_step_or_of_no_seconds_is_refused(kwargs: di
     net, loss_fn = small()
     with pytest.raises(ValueError, match=match):
         profile(net, loss_fn, method="flops", **kwargs)
+
+
+def test_a_backward_pass_given_as_seconds_alone_is_refused_naming_the_type() -> None:
+    net, loss_fn = small()
+    with pytest.raises(TypeError, match=r"^`backward` must be a `StepBackward` \(its seconds .*\), or None. Found: 0.5$"):
+        profile(net, loss_fn, method="flops", signature={}, backward=0.5)  # type: ignore[arg-type]
