@@ -5,7 +5,8 @@ The callback is the method's table of contents; each step lives in its own modul
 0. start    (`startup`)                        refuse what the method cannot run with; the schedule from the Trainer;
 1. profile  (`profiling.harness`)              per-tensor backward times of this model on this device, cached,
                                                 measured inside the fit's first step (`first_step.FirstStep`);
-2. plan     (`planner.WallClockPlan`)         the wall-clock contract: what every step may cost from here on;
+2. plan     (`begin`, `planner.WallClockPlan`) the wall-clock contract: what every step may cost from here on, and
+                                                a speedup out of this fit's reach refused before its first update;
 3. probe    (`importance.ImportanceEvaluator`) importance from real updates: of every tensor in probe windows,
                                                 of the trained ones at every other step;
 4. select   (`selector.decide`)               the exact DP under the plan's step target and `time_model`
@@ -35,10 +36,9 @@ from typing_extensions import override
 
 from lightning_elastic import reporting, resume
 from lightning_elastic.arguments import PositiveInt, Settings, Speedup
-from lightning_elastic.distributed import install_selective_allreduce
+from lightning_elastic.begin import begin_fit
 from lightning_elastic.freezing import BnPolicy, UserState, freeze_never
 from lightning_elastic.inspection import selection_map
-from lightning_elastic.planner import WallClockPlan
 from lightning_elastic.profiling import TimeModel, TimingProfile
 from lightning_elastic.profiling.cache import resolve_cache_dir
 from lightning_elastic.profiling.first_step import FirstStep
@@ -48,7 +48,7 @@ from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
 from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
-from lightning_elastic.startup import check_parameters, check_reach, check_supported, fit_schedule, step_profile
+from lightning_elastic.startup import check_parameters, check_supported, fit_schedule
 from lightning_elastic.summary import FitSummary, fit_summary
 from lightning_elastic.terms import step_terms
 
@@ -227,37 +227,14 @@ class ElasticTensorSelection(Callback):
         fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
 
     def _begin(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        prof: TimingProfile,
-        profile_seconds: float,
-        timed: bool,
+        self, trainer: L.Trainer, pl_module: L.LightningModule, prof: TimingProfile, profile_seconds: float, timed: bool
     ) -> FitSession:
-        """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (no update yet).
-
-        Its own seconds are charged with `profile_seconds` after a checkpoint's account is restored, which would
-        otherwise drop them: a resumed fit pays for its own start. A process that did not time the profile (`timed`
-        False: a cached, given or restored one) is cold, and its first window may run on (`warmup.FirstWindow`).
-        """
-        settings = self._settings
-        started = settings.clock()
-        schedule, total_steps, origin = self._schedule
+        """2. plan: the fit's session, its profile and wall-clock plan; refuse what is out of reach (`begin_fit`)."""
+        self._profile, (schedule, total_steps, origin) = prof, self._schedule
         assert schedule is not None
-        self._profile = prof
-        step = step_profile(trainer, prof)  # an optimizer step runs the pass on every micro-batch
-        plan = WallClockPlan(settings.speedup, total_steps, full_step=step.t_full)
-        fit = FitSession.start(pl_module, step, schedule, plan, settings, origin)
-        self._fit = fit
-        fit.warmup.profiled(timed, prof.method)
-        limit = check_reach(trainer, fit, profile_seconds, settings.calibrate)  # refuses what is out of reach
-        resume.restore(fit, self._restored)
-        self._restored = None
-        fit.allreduce = install_selective_allreduce(trainer.strategy)
-        run_on = fit.warmup.run_on_limit(fit.schedule.first_steps) if fit.in_first_window else 0  # none once resumed
-        own = limit.own_share(settings.speedup) if fit.in_first_window else None  # a resumed fit's is spent
-        reporting.announce(trainer, prof, settings.speedup, total_steps, fit.schedule, run_on, own, timed)
-        fit.charge_start(profile_seconds + settings.clock() - started)
+        planned = (schedule, total_steps, origin)
+        fit = begin_fit(trainer, pl_module, prof, self._settings, planned, self._restored, profile_seconds, timed)
+        self._fit, self._restored = fit, None
         return fit
 
     # ------------------------------------------------------------------ 3. probe: windows, and importance at every step

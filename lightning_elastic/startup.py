@@ -4,8 +4,8 @@
 layers (built by then) are lazy or all frozen (as it starts); `fit_schedule` reads the Trainer's epochs and the fit's
 length (`epoch_lengths`) into the schedule of probe windows and selections (`windows.plan_schedule`), or says why the
 callback stays off. Once the profile is known, `profiled_parameters` binds its tensors (refusing a profile of another
-module) and `check_dense` refuses sparse gradients. Once the fit's session exists, `check_reach` sizes its auto
-windows to what profiling left and refuses a speedup out of its reach.
+module) and `check_dense` refuses sparse gradients. What the fit can reach, once its session exists, is checked as
+it begins (`begin.check_reach`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import lightning as L
 import torch
@@ -21,18 +21,12 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler,
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_elastic import windows
 from lightning_elastic.distributed import prepare_strategy
 from lightning_elastic.errors import ElasticConfigError, one_closure
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.profile import mismatch
-from lightning_elastic.reach import Reach, largest_reachable, reach, reach_shortening
 from lightning_elastic.schedule import IntervalUnit, Schedule, counted_from
-from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.windows import ScheduleRefusal, late_first_window, plan_schedule
-
-if TYPE_CHECKING:
-    from lightning_elastic.session import FitSession
 
 C = TypeVar("C", bound=Callback)
 # Optimizers whose `step(closure)` evaluates the closure (the training step and its backward pass) more than once.
@@ -194,62 +188,3 @@ def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | No
         steps = sum(lengths[min(e, len(lengths) - 1)] for e in range(max(epochs, 1)))
         total = min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
     return lengths, total
-
-
-def check_reach(trainer: L.Trainer, fit: FitSession, profile_seconds: float, calibrate: bool) -> Reach:
-    """What `fit` can reach after `profile_seconds` of profiling (per step without `calibrate`), before its first
-    update, with the schedule it runs (`fit.schedule`, planned again here: `_reach_at`); refuse a speedup out of it
-    (`Reach.check`, which raises), or warn of one on its edge.
-
-    Auto windows are sized to the speedup asked, so a refusal names the largest speedup that a later fit asking for
-    it reaches (`reach.largest_reachable`, with no profiling to pay, as `Reach.reachable` counts), not what the
-    windows of the speedup refused would reach.
-    """
-    speedup, auto = fit.plan.speedup, fit.settings.probe_steps == "auto"
-    fit.schedule, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate)
-    said = limit
-    if limit.reachable < speedup and auto and limit.total_steps is not None:
-        shape = fit.schedule
-
-        def reach_at(asked: float) -> Reach | None:
-            planned = plan_schedule(shape.interval, shape.unit, "auto", asked, shape.steps_per_epoch, limit.total_steps)
-            if isinstance(planned, ScheduleRefusal):
-                return None
-            return _reach_at(fit, asked, planned, 0.0, calibrate)[1]
-
-        said = largest_reachable(reach_at, limit)
-    smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
-    if (warning := said.check(speedup, smoke)) is not None:  # raises if out of reach even when cached
-        rank_zero_warn(warning)
-    return limit  # of the schedule that runs (a smoke run goes on past a refusal)
-
-
-def _reach_at(
-    fit: FitSession, speedup: float, schedule: Schedule, profile_seconds: float, calibrate: bool
-) -> tuple[Schedule, Reach]:
-    """The schedule `fit` runs when planned at `speedup` from `schedule` (as planned before profiling), and what it
-    reaches. Auto windows after the first get what the profiling left of the own-time share (`windows.after_profile`;
-    a resumed fit's restored profile cost it nothing: windows as cached); a first window longer than the others (to
-    time `T`, see `windows.auto_probe_plan`) is cut back to their length when it alone would put `speedup` out of this
-    fit's reach (`reach_shortening`). The floor is the profile's pass; where a fit with the profile remembered its
-    steady full step (`TimingProfile.t_step`, a cached profile's), the profile calibrated to that step as the fit's
-    selections calibrate it (`StepTimeModel.calibrated`): a pass timed slow has its backward scaled down to it, and
-    what the step took beyond the pass (the optimizer update and the loop, not told apart) is paid whole by every
-    step, the cheapest selection too. A first run knows neither before its first update."""
-    settings, prof = fit.settings, fit.profile
-    total = fit.plan.total_steps if calibrate else None
-    if settings.probe_steps == "auto":
-        spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
-        schedule = windows.after_profile(schedule, speedup, spent, fit.warmup.warmup_steps)
-    model = StepTimeModel.from_profile(prof)
-    if prof.t_step > 0:  # a fit remembered its steady step: the profile calibrated to it, as the fit's own steps will
-        model = StepTimeModel.calibrated(prof, prof.t_step, 0.0)  # (what it adds to the pass: paid by every step)
-    schedule, limit = reach_shortening(
-        schedule,
-        speedup,
-        lambda planned: reach(model, fit.required, fit.forbidden, planned, total, profile_seconds, model.full),
-        fit.warmup.warmup_steps,
-    )
-    cache_on, fixed, measured = settings.cache_dir is not False, settings.probe_steps != "auto", not fit.warmup.cold
-    limit = replace(limit, cache_on=cache_on, pinned=any(fit.required), fixed_windows=fixed, measured=measured)
-    return schedule, limit

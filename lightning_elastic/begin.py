@@ -1,0 +1,121 @@
+"""The fit begins (step 2 of the method, `plan`), once its profile is known: its session and wall-clock plan, the
+reach check, a checkpoint's account restored, the start message.
+
+`begin_fit` is that sequence; `check_reach` sizes the auto windows to what profiling left and refuses a speedup out of
+the fit's reach (`reach.Reach`), before its first update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_elastic import reporting, resume, windows
+from lightning_elastic.arguments import Settings
+from lightning_elastic.distributed import install_selective_allreduce
+from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.profiling import TimingProfile
+from lightning_elastic.reach import Reach, largest_reachable, reach, reach_shortening
+from lightning_elastic.schedule import Schedule
+from lightning_elastic.session import FitSession
+from lightning_elastic.startup import step_profile
+from lightning_elastic.time_model import StepTimeModel
+from lightning_elastic.windows import ScheduleRefusal, plan_schedule
+
+
+def begin_fit(
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    prof: TimingProfile,
+    settings: Settings,
+    planned: tuple[Schedule, int | None, int],
+    restored: dict[str, Any] | None,
+    profile_seconds: float,
+    timed: bool,
+) -> FitSession:
+    """The fit's session with `prof` and its wall-clock plan, before its first update; refuse what is out of reach.
+
+    `planned`: the schedule as planned before profiling, the fit's optimizer steps (None: unknown) and the step it
+    counts from. `restored`: a checkpoint's state of the callback, or None. Its own seconds are charged with
+    `profile_seconds` after a checkpoint's account is restored, which would otherwise drop them: a resumed fit pays for
+    its own start. A process that did not time the profile (`timed` False: a cached, given or restored one) is cold,
+    and its first window may run on (`warmup.FirstWindow`).
+    """
+    started = settings.clock()
+    schedule, total_steps, origin = planned
+    step = step_profile(trainer, prof)  # an optimizer step runs the pass on every micro-batch
+    plan = WallClockPlan(settings.speedup, total_steps, full_step=step.t_full)
+    fit = FitSession.start(pl_module, step, schedule, plan, settings, origin)
+    fit.warmup.profiled(timed, prof.method)
+    fit.schedule, limit = check_reach(trainer, fit, profile_seconds, settings.calibrate)  # refuses what is out of reach
+    resume.restore(fit, restored)
+    fit.allreduce = install_selective_allreduce(trainer.strategy)
+    run_on = fit.warmup.run_on_limit(fit.schedule.first_steps) if fit.in_first_window else 0  # none once resumed
+    own = limit.own_share(settings.speedup) if fit.in_first_window else None  # a resumed fit's is spent
+    reporting.announce(trainer, prof, settings.speedup, total_steps, fit.schedule, run_on, own, timed)
+    fit.charge_start(profile_seconds + settings.clock() - started)
+    return fit
+
+
+def check_reach(
+    trainer: L.Trainer, fit: FitSession, profile_seconds: float, calibrate: bool
+) -> tuple[Schedule, Reach]:
+    """The schedule `fit` runs (`fit.schedule`, as planned before profiling, planned again here: `_reach_at`) and what
+    it reaches with it after `profile_seconds` of profiling (per step without `calibrate`), before its first update;
+    refuse a speedup out of it (`Reach.check`, which raises), or warn of one on its edge. `fit` is left as it was.
+
+    Auto windows are sized to the speedup asked, so a refusal names the largest speedup that a later fit asking for
+    it reaches (`reach.largest_reachable`, with no profiling to pay, as `Reach.reachable` counts), not what the
+    windows of the speedup refused would reach.
+    """
+    speedup, auto = fit.plan.speedup, fit.settings.probe_steps == "auto"
+    runs, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate)
+    said = limit
+    if limit.reachable < speedup and auto and limit.total_steps is not None:
+        shape = runs
+
+        def reach_at(asked: float) -> Reach | None:
+            planned = plan_schedule(shape.interval, shape.unit, "auto", asked, shape.steps_per_epoch, limit.total_steps)
+            if isinstance(planned, ScheduleRefusal):
+                return None
+            return _reach_at(fit, asked, planned, 0.0, calibrate)[1]
+
+        said = largest_reachable(reach_at, limit)
+    smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
+    if (warning := said.check(speedup, smoke)) is not None:  # raises if out of reach even when cached
+        rank_zero_warn(warning)
+    return runs, limit  # what the schedule that runs reaches (a smoke run goes on past a refusal)
+
+
+def _reach_at(
+    fit: FitSession, speedup: float, schedule: Schedule, profile_seconds: float, calibrate: bool
+) -> tuple[Schedule, Reach]:
+    """The schedule `fit` runs when planned at `speedup` from `schedule` (as planned before profiling), and what it
+    reaches. Auto windows after the first get what the profiling left of the own-time share (`windows.after_profile`;
+    a resumed fit's restored profile cost it nothing: windows as cached); a first window longer than the others (to
+    time `T`, see `windows.auto_probe_plan`) is cut back to their length when it alone would put `speedup` out of this
+    fit's reach (`reach_shortening`). The floor is the profile's pass; where a fit with the profile remembered its
+    steady full step (`TimingProfile.t_step`, a cached profile's), the profile calibrated to that step as the fit's
+    selections calibrate it (`StepTimeModel.calibrated`): a pass timed slow has its backward scaled down to it, and
+    what the step took beyond the pass (the optimizer update and the loop, not told apart) is paid whole by every
+    step, the cheapest selection too. A first run knows neither before its first update."""
+    settings, prof = fit.settings, fit.profile
+    total = fit.plan.total_steps if calibrate else None
+    if settings.probe_steps == "auto":
+        spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
+        schedule = windows.after_profile(schedule, speedup, spent, fit.warmup.warmup_steps)
+    model = StepTimeModel.from_profile(prof)
+    if prof.t_step > 0:  # a fit remembered its steady step: the profile calibrated to it, as the fit's own steps will
+        model = StepTimeModel.calibrated(prof, prof.t_step, 0.0)  # (what it adds to the pass: paid by every step)
+    schedule, limit = reach_shortening(
+        schedule,
+        speedup,
+        lambda planned: reach(model, fit.required, fit.forbidden, planned, total, profile_seconds, model.full),
+        fit.warmup.warmup_steps,
+    )
+    cache_on, fixed, measured = settings.cache_dir is not False, settings.probe_steps != "auto", not fit.warmup.cold
+    limit = replace(limit, cache_on=cache_on, pinned=any(fit.required), fixed_windows=fixed, measured=measured)
+    return schedule, limit
