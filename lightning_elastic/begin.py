@@ -23,6 +23,7 @@ from lightning_elastic.schedule import Schedule
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import step_profile
 from lightning_elastic.time_model import StepTimeModel
+from lightning_elastic.warmup import FirstWindow
 from lightning_elastic.windows import ScheduleRefusal, plan_schedule
 
 
@@ -69,19 +70,23 @@ def check_reach(
 
     Auto windows are sized to the speedup asked, so a refusal names the largest speedup that a later fit asking for
     it reaches (`reach.largest_reachable`, with no profiling to pay, as `Reach.reachable` counts), not what the
-    windows of the speedup refused would reach.
+    windows of the speedup refused would reach. That later fit reads the profile: a cold process, whose first window
+    warms up for the steps of one (`warmup.FirstWindow`), more than a first run's (whose profiling passes warmed it
+    up), and knows no steady step a refused fit did not measure. Planned with this fit's warm-up instead, a first run
+    refused with "at most 3.21" was refused again at 3.21 on the cached run, with "at most 3.11" (its first window 6
+    steps, not 3).
     """
     speedup, auto = fit.plan.speedup, fit.settings.probe_steps == "auto"
-    runs, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate)
+    runs, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate, fit.warmup.warmup_steps)
     said = limit
     if limit.reachable < speedup and auto and limit.total_steps is not None:
-        shape = runs
+        shape, later = runs, FirstWindow(cold=True, warm_step=fit.profile.t_step).warmup_steps  # a cached fit's
 
         def reach_at(asked: float) -> Reach | None:
             planned = plan_schedule(shape.interval, shape.unit, "auto", asked, shape.steps_per_epoch, limit.total_steps)
             if isinstance(planned, ScheduleRefusal):
                 return None
-            return _reach_at(fit, asked, planned, 0.0, calibrate)[1]
+            return _reach_at(fit, asked, planned, 0.0, calibrate, later)[1]
 
         said = largest_reachable(reach_at, limit)
     smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
@@ -91,13 +96,14 @@ def check_reach(
 
 
 def _reach_at(
-    fit: FitSession, speedup: float, schedule: Schedule, profile_seconds: float, calibrate: bool
+    fit: FitSession, speedup: float, schedule: Schedule, profile_seconds: float, calibrate: bool, warmup_steps: int
 ) -> tuple[Schedule, Reach]:
-    """The schedule `fit` runs when planned at `speedup` from `schedule` (as planned before profiling), and what it
-    reaches. Auto windows after the first get what the profiling left of the own-time share (`windows.after_profile`;
-    a resumed fit's restored profile cost it nothing: windows as cached); a first window longer than the others (to
-    time `T`, see `windows.auto_probe_plan`) is cut back to their length when it alone would put `speedup` out of this
-    fit's reach (`reach_shortening`). The floor is the profile's pass; where a fit with the profile remembered its
+    """The schedule `fit` runs when planned at `speedup` from `schedule` (as planned before profiling), in a process
+    that warms up for `warmup_steps` (`warmup.FirstWindow.warmup_steps`), and what it reaches. Auto windows after the
+    first get what the profiling left of the own-time share (`windows.after_profile`; a resumed fit's restored profile
+    cost it nothing: windows as cached); a first window longer than the others (to time `T`, see
+    `windows.auto_probe_plan`) is cut back to their length when it alone would put `speedup` out of this fit's reach
+    (`reach_shortening`). The floor is the profile's pass; where a fit with the profile remembered its
     steady full step (`TimingProfile.t_step`, a cached profile's), the profile calibrated to that step as the fit's
     selections calibrate it (`StepTimeModel.calibrated`): a pass timed slow has its backward scaled down to it, and
     what the step took beyond the pass (the optimizer update and the loop, not told apart) is paid whole by every
@@ -106,7 +112,7 @@ def _reach_at(
     total = fit.plan.total_steps if calibrate else None
     if settings.probe_steps == "auto":
         spent = profile_seconds / max(prof.t_full, 1e-12)  # in full steps
-        schedule = windows.after_profile(schedule, speedup, spent, fit.warmup.warmup_steps)
+        schedule = windows.after_profile(schedule, speedup, spent, warmup_steps)
     model = StepTimeModel.from_profile(prof)
     if prof.t_step > 0:  # a fit remembered its steady step: the profile calibrated to it, as the fit's own steps will
         model = StepTimeModel.calibrated(prof, prof.t_step, 0.0)  # (what it adds to the pass: paid by every step)
@@ -114,7 +120,7 @@ def _reach_at(
         schedule,
         speedup,
         lambda planned: reach(model, fit.required, fit.forbidden, planned, total, profile_seconds, model.full),
-        fit.warmup.warmup_steps,
+        warmup_steps,
     )
     cache_on, fixed, measured = settings.cache_dir is not False, settings.probe_steps != "auto", not fit.warmup.cold
     limit = replace(limit, cache_on=cache_on, pinned=any(fit.required), fixed_windows=fixed, measured=measured)

@@ -20,11 +20,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_elastic import ElasticTensorSelection, planner, reporting, resume, session, warmup
+from lightning_elastic import callback as callback_module
 from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.pace import PACE_BAND, pace_of
 from lightning_elastic.profiling.cache import cache_file
+from lightning_elastic.profiling.harness import Measured
 from lightning_elastic.profiling.profile import read_profile, store
 from lightning_elastic.selector import decide
+from lightning_elastic.summary import MET_WITHIN
 from lightning_elastic.time_model import StepTimeModel
 from tests.integration.test_callback import ListLogger
 from tests.integration.tiny import TinyNet, synthetic_profile, tiny_data, tiny_trainer
@@ -574,6 +577,54 @@ def test_the_refusals_figure_is_the_largest_speedup_that_the_fit_reaches_when_as
     largest = refused_at(50.0)
     assert largest is not None and refused_at(largest) is None
     assert refused_at(round(largest + 0.01, 2)) == largest
+
+
+def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user's flow: the first run on a machine profiles (here 12 full steps on the device's clock) and is refused
+    with "at most X", the most that a later fit reading the profile from the cache reaches. The user asks X and runs
+    again: that fit, a new process (a new callback) that read the profile (not timed: cold, a first window of 6 steps
+    where the first run planned 3), is not refused (only warned of the room X leaves: none) and lands on X, by its
+    own account and against the device's full fit. (With the first run's warm-up in the figure, it said 3.21, and 3.21 was refused again with "at most 3.11".)
+    A first run asking X is not refused (a refusal would leave no profile in the cache), but warned that, paying its
+    profile, it reaches at most Y < X, where it lands."""
+    profile_cost = 12 * PROFILE.t_full
+    cached = False
+
+    def measured(*args: Any, **kwargs: Any) -> Measured:
+        if not cached:  # this process times the profile (and caches it)
+            device.now += profile_cost
+        return Measured(PROFILE, timed=not cached)
+
+    monkeypatch.setattr(callback_module, "measure_profile", measured)
+
+    def fit(speedup: float) -> ElasticTensorSelection:
+        callback = ElasticTensorSelection(speedup=speedup, interval=25, interval_unit="step", clock=device.clock)
+        torch.manual_seed(0)
+        tiny_trainer(callbacks=[device, callback], max_steps=200, max_epochs=-1).fit(TinyNet(), tiny_data())
+        return callback
+
+    device = VirtualDevice(1.0)
+    with pytest.raises(SpeedupOutOfReach) as refused:
+        fit(50.0)
+    reachable = refused.value.reachable
+    assert reachable is not None and 1.5 < reachable < 50.0
+    cached, device = True, VirtualDevice(1.0)
+    with pytest.warns(UserWarning, match="leaves this fit's selected steps 0.0% of a full step above the cheapest"):
+        callback = fit(reachable)  # not refused: warned that the largest speedup leaves no room, as it is
+    summary = callback.summary()
+    assert callback._fit is not None and callback._fit.warmup.cold and summary["profile_seconds"] == 0.0
+    assert summary["fit_speedup"] == pytest.approx(reachable, rel=MET_WITHIN), summary
+    assert device.full_seconds / summary["spent_seconds"] == pytest.approx(reachable, rel=MET_WITHIN), summary
+
+    cached, device = False, VirtualDevice(1.0)
+    said = r"this fit reaches at most (\d\.\d\d)x .* reads the profile from the cache\) (\d\.\d\d)x"
+    with pytest.warns(UserWarning, match=said) as warned:
+        first = fit(reachable)
+    figures = next(m for w in warned if (m := re.search(said, str(w.message))))
+    assert float(figures.group(1)) < reachable <= float(figures.group(2))  # its profile is in its account
+    assert first.summary()["fit_speedup"] == pytest.approx(float(figures.group(1)), rel=MET_WITHIN)
 
 
 @pytest.mark.parametrize("remembered", [1.5, 0.5], ids=["a longer step", "a pass timed slow"])
