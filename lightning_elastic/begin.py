@@ -80,10 +80,10 @@ def check_reach(
     runs, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate, fit.warmup.warmup_steps)
     said = limit
     if limit.reachable < speedup and auto and limit.total_steps is not None:
-        shape, later = runs, FirstWindow(cold=True, warm_step=fit.profile.t_step).warmup_steps  # a cached fit's
+        later = FirstWindow(cold=True, warm_step=fit.profile.t_step).warmup_steps  # a cached fit's
 
         def reach_at(asked: float) -> Reach | None:
-            planned = plan_schedule(shape.interval, shape.unit, "auto", asked, shape.steps_per_epoch, limit.total_steps)
+            planned = plan_schedule(runs.interval, runs.unit, "auto", asked, runs.steps_per_epoch, limit.total_steps)
             if isinstance(planned, ScheduleRefusal):
                 return None
             return _reach_at(fit, asked, planned, 0.0, calibrate, later)[1]
@@ -103,11 +103,11 @@ def _reach_at(
     first get what the profiling left of the own-time share (`windows.after_profile`; a resumed fit's restored profile
     cost it nothing: windows as cached); a first window longer than the others (to time `T`, see
     `windows.auto_probe_plan`) is cut back to their length when it alone would put `speedup` out of this fit's reach
-    (`reach_shortening`). The floor is the profile's pass; where a fit with the profile remembered its
-    steady full step (`TimingProfile.t_step`, a cached profile's), the profile calibrated to that step as the fit's
-    selections calibrate it (`StepTimeModel.calibrated`): a pass timed slow has its backward scaled down to it, and
-    what the step took beyond the pass (the optimizer update and the loop, not told apart) is paid whole by every
-    step, the cheapest selection too. A first run knows neither before its first update."""
+    (`reach_shortening`). The floor is the profile's pass; where a fit with the profile remembered its steady full step
+    (`TimingProfile.t_step`, a cached profile's), the profile calibrated to that step as the fit's selections
+    calibrate it (`StepTimeModel.calibrated`): a pass timed slow has its backward scaled down to it, and what the step
+    took beyond the pass (the optimizer update and the loop, not told apart) is paid whole by every step, the cheapest
+    selection too. A first run knows neither before its first update."""
     settings, prof = fit.settings, fit.profile
     total = fit.plan.total_steps if calibrate else None
     if settings.probe_steps == "auto":
