@@ -74,13 +74,17 @@ def check_reach(
     warms up for the steps of one (`warmup.FirstWindow`), more than a first run's (whose profiling passes warmed it
     up), and knows no steady step a refused fit did not measure. Planned with this fit's warm-up instead, a first run
     refused with "at most 3.21" was refused again at 3.21 on the cached run, with "at most 3.11" (its first window 6
-    steps, not 3).
+    steps, not 3). So a first run that its profiling puts out of reach is measured against that cached fit too: it is
+    refused when the cached fit is out of reach as well, and otherwise warned with the cached fit's figure (planned
+    with its own warm-up, a first run was told "without it 3.25x" where the cached fit reached 3.11).
     """
     speedup, auto = fit.plan.speedup, fit.settings.probe_steps == "auto"
     runs, limit = _reach_at(fit, speedup, fit.schedule, profile_seconds, calibrate, fit.warmup.warmup_steps)
     said = limit
-    if limit.reachable < speedup and auto and limit.total_steps is not None:
+    if limit.this_fit < speedup and auto and limit.total_steps is not None:
         later = FirstWindow(cold=True, warm_step=fit.profile.t_step).warmup_steps  # a cached fit's
+        if not fit.warmup.cold:  # a first run: what it names is the cached fit's reach, not its own without profiling
+            said = replace(limit, reachable=_reach_at(fit, speedup, fit.schedule, 0.0, calibrate, later)[1].reachable)
 
         def reach_at(asked: float) -> Reach | None:
             planned = plan_schedule(runs.interval, runs.unit, "auto", asked, runs.steps_per_epoch, limit.total_steps)
@@ -88,7 +92,8 @@ def check_reach(
                 return None
             return _reach_at(fit, asked, planned, 0.0, calibrate, later)[1]
 
-        said = largest_reachable(reach_at, limit)
+        if said.reachable < speedup:
+            said = largest_reachable(reach_at, said)
     smoke = bool(getattr(trainer, "fast_dev_run", False))  # set by the Trainer; not in its type stubs
     if (warning := said.check(speedup, smoke)) is not None:  # raises if out of reach even when cached
         rank_zero_warn(warning)

@@ -19,13 +19,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_elastic import ElasticTensorSelection, planner, reporting, resume, session, warmup
+from lightning_elastic import ElasticTensorSelection, begin, planner, reporting, resume, session, warmup
 from lightning_elastic import callback as callback_module
 from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.pace import PACE_BAND, pace_of
 from lightning_elastic.profiling.cache import cache_file
 from lightning_elastic.profiling.harness import Measured
 from lightning_elastic.profiling.profile import read_profile, store
+from lightning_elastic.reach import Reach, at_most
 from lightning_elastic.selector import decide
 from lightning_elastic.summary import MET_WITHIN
 from lightning_elastic.time_model import StepTimeModel
@@ -588,9 +589,21 @@ def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keep
     where the first run planned 3), is not refused (only warned of the room X leaves: none) and lands on X, by its
     own account and against the device's full fit. (With the first run's warm-up in the figure, it said 3.21, and 3.21 was refused again with "at most 3.11".)
     A first run asking X is not refused (a refusal would leave no profile in the cache), but warned that, paying its
-    profile, it reaches at most Y < X, where it lands."""
+    profile, it reaches at most Y < X, where it lands, and that a later fit reading the profile reaches Z: the reach
+    that cached fit itself finds before training when asked X. (Planned with the first run's warm-up, Z was 3.25
+    where the cached fit found 3.11.) A first run asking above X is refused with X: neither it nor the cached fit
+    reaches it."""
     profile_cost = 12 * PROFILE.t_full
     cached = False
+    checked: list[Reach] = []
+    own_check = begin.check_reach
+
+    def check_reach(*args: Any) -> Any:
+        runs, limit = own_check(*args)
+        checked.append(limit)
+        return runs, limit
+
+    monkeypatch.setattr(begin, "check_reach", check_reach)
 
     def measured(*args: Any, **kwargs: Any) -> Measured:
         if not cached:  # this process times the profile (and caches it)
@@ -617,6 +630,7 @@ def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keep
     assert callback._fit is not None and callback._fit.warmup.cold and summary["profile_seconds"] == 0.0
     assert summary["fit_speedup"] == pytest.approx(reachable, rel=MET_WITHIN), summary
     assert device.full_seconds / summary["spent_seconds"] == pytest.approx(reachable, rel=MET_WITHIN), summary
+    later = checked[-1]  # what the cached fit reaches when asked X, its check pass left out (0 s here)
 
     cached, device = False, VirtualDevice(1.0)
     said = r"this fit reaches at most (\d\.\d\d)x .* reads the profile from the cache\) (\d\.\d\d)x"
@@ -624,6 +638,11 @@ def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keep
         first = fit(reachable)
     figures = next(m for w in warned if (m := re.search(said, str(w.message))))
     assert float(figures.group(1)) < reachable <= float(figures.group(2))  # its profile is in its account
+    assert figures.group(2) == at_most(later.reachable)
+    device = VirtualDevice(1.0)
+    with pytest.raises(SpeedupOutOfReach) as again:  # above X: out of the cached fit's reach, whatever its own warm-up
+        fit(reachable + 0.05)  # (the first run's own warm-up reaches 3.25 without its profile: it was warned)
+    assert again.value.reachable == reachable
     assert first.summary()["fit_speedup"] == pytest.approx(float(figures.group(1)), rel=MET_WITHIN)
 
 
