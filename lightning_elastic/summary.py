@@ -54,7 +54,10 @@ class FitSummary:
         warmup_excess_seconds: what full fine-tuning's first steps take beyond `full_step_seconds` each, as this
             fit's first full steps measured it (`WallClockPlan.warmup`).
         profile_seconds: profiling, this fit (0 when the profile came from the cache).
-        probe_seconds: the probe windows' steps.
+        probe_seconds: the probe windows' steps, counted whole.
+        probe_excess_seconds: of them, what the probe steps took beyond a selected step each (`probe_seconds` less
+            `probe_steps` mean selected steps; all of `probe_seconds` when no selected step was measured): a probe step
+            is one of the fit's training steps, which without the probe would have been a selected step.
         select_seconds: choosing the selections.
         apply_seconds: applying them (flags, BatchNorm, compiled graphs).
         warmup_seconds: the first step of every new trainable set (a recompile under torch.compile), charged to the
@@ -97,6 +100,18 @@ class FitSummary:
     shortfall: str
     contract: bool = True
     pace: float = 1.0
+    probe_excess_seconds: float = math.nan
+
+    @property
+    def own_seconds(self) -> float:
+        """The callback's own time, probe steps counted whole: profiling, probe steps, selections."""
+        return self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
+
+    @property
+    def own_excess_seconds(self) -> float:
+        """The callback's own time with each probe step counted by what it took beyond a selected step
+        (`probe_excess_seconds`): what the fit would have saved had its measuring been free."""
+        return self.profile_seconds + self.probe_excess_seconds + self.select_seconds + self.apply_seconds
 
     def figures(self) -> dict[str, float]:
         """The figures as one flat dict of numbers (what `ElasticTensorSelection.summary()` returns)."""
@@ -169,8 +184,9 @@ class FitSummary:
         line before any training step was measured (no fit yet, or one the callback stayed off in)."""
         if not math.isfinite(self.spent_seconds) or self.steps == 0:
             return f"  no training step measured (asked {self.target_speedup:g}x)"
-        overhead = self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
+        overhead, beyond = self.own_seconds, self.own_excess_seconds
         share = overhead / self.spent_seconds if self.spent_seconds > 0 else math.nan
+        excess = beyond / self.spent_seconds if self.spent_seconds > 0 else math.nan
         trained = ", ".join(f"{name} ({n}/{self.selections})" for name, n in self.most_trained) or "none"
         lines = [
             f"  fit speedup        {self.headline()}: "
@@ -178,9 +194,11 @@ class FitSummary:
             f"tensor ({self._full_fit_terms()}); "
             f"{self.planned_seconds:.1f} s planned",
             f"  per-step speedup   {self.per_step()}",
-            f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit): profile {self.profile_seconds:.1f} s, "
-            f"probes {self.probe_seconds:.1f} s ({self.probe_steps} full steps), selections "
-            f"{self.select_seconds + self.apply_seconds:.2f} s ({self.selections}, {self.replans} re-planned)",
+            f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit; {excess:.0%} with a probe step counted by "
+            f"what it took beyond a selected step): profile {self.profile_seconds:.1f} s, probes "
+            f"{self.probe_seconds:.1f} s ({self.probe_steps} full steps, {self.probe_excess_seconds:.1f} s beyond "
+            f"selected steps), selections {self.select_seconds + self.apply_seconds:.2f} s ({self.selections}, "
+            f"{self.replans} re-planned)",
             f"  trained            {percent(self.selected_fraction)} of tensors, "
             f"{percent(self.selected_elements_fraction)} of parameter elements at the last selection",
             f"  most often trained {trained}",
@@ -261,7 +279,21 @@ def fit_summary(
     )
     per_step = full * summary.mean_pace / mean_selected if measured else math.nan
     why = shortfall(summary, history, probe_steps, pinned, cache_on) if contract else ""
-    return replace(summary, measured_speedup=per_step, shortfall=why)
+    excess = probe_excess(summary.probe_seconds, summary.probe_steps, mean_selected)
+    return replace(summary, measured_speedup=per_step, shortfall=why, probe_excess_seconds=excess)
+
+
+def probe_excess(probe_seconds: float, probe_steps: int, selected_step: float) -> float:
+    """What `probe_steps` probe steps that took `probe_seconds` took beyond as many selected steps of `selected_step`
+    seconds (the mean measured; NaN: none measured, and the probe steps count whole), at least 0.
+
+    Example:
+        >>> probe_excess(4.0, 4, 0.5), probe_excess(4.0, 4, math.nan), probe_excess(1.0, 4, 0.5)
+        (2.0, 4.0, 0.0)
+    """
+    if not math.isfinite(selected_step):
+        return probe_seconds
+    return max(0.0, probe_seconds - probe_steps * selected_step)
 
 
 def shortfall(

@@ -36,7 +36,7 @@ CODE = CodeProvenance(Path("/src/lightning_elastic"), "a" * 40, dirty=False)
 PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
 CSV_COLUMNS = [
     "method", "seed", "metric", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
-    "overhead_share", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
+    "overhead_share", "excess_share", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
     "final_acc", "test_acc", "val_images", "test_images", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
     "total_tensors", "offline_s", "profile_s", "probe_s", "select_s", "freeze_s", "full_step_ms", "selected_step_ms",
     "step_fraction", "step_vs_full_run", "predicted_step_ms", "selections", "changed_selections", "mean_tensors_changed",
@@ -105,7 +105,8 @@ def _run(method: str, kind: str, seed: int, wall: float, accuracies: list[float]
 
 # An elastic run's own figures, for the tables
 ELASTIC = {
-    "elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "select_seconds": 0.01, "full_step_seconds": 0.4,
+    "elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "probe_excess_seconds": 1.0, "select_seconds": 0.01,
+                "full_step_seconds": 0.4,
                 "selected_step_seconds": 0.2, "measured_speedup": 2.0, "selections": 3.0},
     "freeze_seconds": 0.002, "mask_changes": [0, 2], "speedup": 2.0,
 }  # fmt: skip
@@ -133,6 +134,7 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     # the contract's figure leaves validation (1 s in every run) out: (100 - 1) / (50 - 1)
     assert by["elastic_2x", 0]["train_speedup_vs_full"] == pytest.approx(99 / 49)
     assert by["elastic_2x", 0]["overhead_share"] == pytest.approx((3.0 + 2.0 + 0.01 + 0.002) / 49)
+    assert by["elastic_2x", 0]["excess_share"] == pytest.approx((3.0 + 1.0 + 0.01 + 0.002) / 49)
     cfg = compose_config(["benchmark.seeds=[0,1]"], tmp_path, name="benchmark")
     report = markdown_report(cfg, rows, 60.0, CODE)
     row = "| elastic_2x | 50 ± 0% | 55.0 ± 7.1 | 2.00 ± 0.00 | 2.02 ± 0.00 | 2750 ± 354 | 79.8 ± 13.8 | 79.5 ± 13.4 | 79.5 ± 13.4 "

@@ -92,6 +92,8 @@ def test_train_command_fine_tunes_tests_and_prints_the_summary(tmp_path: Path) -
     )
     overhead = sum(report[k] for k in ("profile_seconds", "probe_seconds", "select_seconds", "apply_seconds"))
     assert table["elastic's own time"].startswith(f"{overhead:.1f} s")
+    beyond = report["probe_seconds"] - report["probe_steps"] * report["selected_step_seconds"]
+    assert report["probe_excess_seconds"] == pytest.approx(max(beyond, 0.0))
     assert table["per-step speedup"].startswith(f"{report['measured_speedup']:.2f}x")
     assert (tmp_path / "run" / "selection_map.png").stat().st_size > 2_000
     assert 0 < summary["wall_seconds"] < elapsed

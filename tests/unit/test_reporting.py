@@ -56,8 +56,11 @@ def test_summary_compares_the_fit_with_full_fine_tuning() -> None:
         "(10 steps x 1000.0 ms); 5.0 s planned"
     )
     assert lines[2] == (
-        "  elastic's own time 2.3 s (46% of the fit): profile 0.0 s, probes 2.0 s (2 full steps), selections 0.30 s (2, 0 re-planned)"
+        "  elastic's own time 2.3 s (46% of the fit; 26% with a probe step counted by what it took beyond a selected "
+        "step): profile 0.0 s, probes 2.0 s (2 full steps, 1.0 s beyond selected steps), selections 0.30 s (2, 0 re-planned)"
     )
+    # the selected steps' mean is 0.5 s: each 1 s probe step took 0.5 s beyond one
+    assert s.probe_excess_seconds == 1.0 and s.own_excess_seconds == pytest.approx(1.3)
     assert lines[4] == "  most often trained head.weight (2/2), block.weight (1/2)"
     assert len(lines) == 5  # no "why not met" line
     assert s.figures()["selections"] == 2.0 and "most_trained" not in s.figures()
