@@ -54,10 +54,7 @@ class FitSummary:
         warmup_excess_seconds: what full fine-tuning's first steps take beyond `full_step_seconds` each, as this
             fit's first full steps measured it (`WallClockPlan.warmup`).
         profile_seconds: profiling, this fit (0 when the profile came from the cache).
-        probe_seconds: the probe windows' steps, counted whole.
-        probe_excess_seconds: of them, what the probe steps took beyond a selected step each (`probe_seconds` less
-            `probe_steps` mean selected steps; all of `probe_seconds` when no selected step was measured): a probe step
-            is one of the fit's training steps, which without the probe would have been a selected step.
+        probe_seconds: the probe windows' steps, counted whole (the process's warm-up steps among them).
         select_seconds: choosing the selections.
         apply_seconds: applying them (flags, BatchNorm, compiled graphs).
         warmup_seconds: the first step of every new trainable set (a recompile under torch.compile), charged to the
@@ -100,7 +97,31 @@ class FitSummary:
     shortfall: str
     contract: bool = True
     pace: float = 1.0
-    probe_excess_seconds: float = math.nan
+
+    def figures(self) -> dict[str, float]:
+        """The figures as one flat dict of numbers (what `ElasticTensorSelection.summary()` returns), with
+        `probe_excess_seconds`."""
+        numbers = asdict(self).items()
+        figures = {k: float(v) for k, v in numbers if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return {**figures, "probe_excess_seconds": self.probe_excess_seconds}
+
+    @property
+    def probe_excess_seconds(self) -> float:
+        """What the probe steps cost beyond the selected steps they stand in for: `probe_steps` times a full step at
+        the device's mean pace less the mean selected step, as `measured_speedup` compares them (all of
+        `probe_seconds` when no selected step was measured). A probe step is one of the fit's training steps, which
+        without the probe would have been a selected one; the process's warm-up in its first steps, which full
+        fine-tuning pays too (`warmup_excess_seconds`), is not counted.
+
+        Example:
+            >>> plan = WallClockPlan(2.0, 100, 0.4, spent=40.0, steps_done=100)
+            >>> s = replace(fit_summary([], plan, {"probe_seconds": 3.0, "probe_steps": 6}, [], [], 2.0),
+            ...     selected_step_seconds=0.25)
+            >>> round(s.probe_excess_seconds, 6), replace(s, selected_step_seconds=math.nan).probe_excess_seconds
+            (0.9, 3.0)
+        """
+        beyond = self.full_step_seconds * self.mean_pace - self.selected_step_seconds
+        return self.probe_steps * max(beyond, 0.0) if math.isfinite(beyond) else self.probe_seconds
 
     @property
     def own_seconds(self) -> float:
@@ -109,13 +130,9 @@ class FitSummary:
 
     @property
     def own_excess_seconds(self) -> float:
-        """The callback's own time with each probe step counted by what it took beyond a selected step
-        (`probe_excess_seconds`): what the fit would have saved had its measuring been free."""
+        """The callback's own time with each probe step counted by what it cost beyond a selected step
+        (`probe_excess_seconds`): what measuring cost the fit in training time."""
         return self.profile_seconds + self.probe_excess_seconds + self.select_seconds + self.apply_seconds
-
-    def figures(self) -> dict[str, float]:
-        """The figures as one flat dict of numbers (what `ElasticTensorSelection.summary()` returns)."""
-        return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
@@ -195,7 +212,7 @@ class FitSummary:
             f"{self.planned_seconds:.1f} s planned",
             f"  per-step speedup   {self.per_step()}",
             f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit; {excess:.0%} with a probe step counted by "
-            f"what it took beyond a selected step): profile {self.profile_seconds:.1f} s, probes "
+            f"what it cost beyond a selected step): profile {self.profile_seconds:.1f} s, probes "
             f"{self.probe_seconds:.1f} s ({self.probe_steps} full steps, {self.probe_excess_seconds:.1f} s beyond "
             f"selected steps), selections {self.select_seconds + self.apply_seconds:.2f} s ({self.selections}, "
             f"{self.replans} re-planned)",
@@ -279,21 +296,7 @@ def fit_summary(
     )
     per_step = full * summary.mean_pace / mean_selected if measured else math.nan
     why = shortfall(summary, history, probe_steps, pinned, cache_on) if contract else ""
-    excess = probe_excess(summary.probe_seconds, summary.probe_steps, mean_selected)
-    return replace(summary, measured_speedup=per_step, shortfall=why, probe_excess_seconds=excess)
-
-
-def probe_excess(probe_seconds: float, probe_steps: int, selected_step: float) -> float:
-    """What `probe_steps` probe steps that took `probe_seconds` took beyond as many selected steps of `selected_step`
-    seconds (the mean measured; NaN: none measured, and the probe steps count whole), at least 0.
-
-    Example:
-        >>> probe_excess(4.0, 4, 0.5), probe_excess(4.0, 4, math.nan), probe_excess(1.0, 4, 0.5)
-        (2.0, 4.0, 0.0)
-    """
-    if not math.isfinite(selected_step):
-        return probe_seconds
-    return max(0.0, probe_seconds - probe_steps * selected_step)
+    return replace(summary, measured_speedup=per_step, shortfall=why)
 
 
 def shortfall(

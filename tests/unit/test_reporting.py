@@ -56,11 +56,12 @@ def test_summary_compares_the_fit_with_full_fine_tuning() -> None:
         "(10 steps x 1000.0 ms); 5.0 s planned"
     )
     assert lines[2] == (
-        "  elastic's own time 2.3 s (46% of the fit; 26% with a probe step counted by what it took beyond a selected "
+        "  elastic's own time 2.3 s (46% of the fit; 26% with a probe step counted by what it cost beyond a selected "
         "step): profile 0.0 s, probes 2.0 s (2 full steps, 1.0 s beyond selected steps), selections 0.30 s (2, 0 re-planned)"
     )
-    # the selected steps' mean is 0.5 s: each 1 s probe step took 0.5 s beyond one
+    # the selected steps' mean is 0.5 s against a full step of 1 s: each probe step cost 0.5 s beyond one
     assert s.probe_excess_seconds == 1.0 and s.own_excess_seconds == pytest.approx(1.3)
+    assert s.figures()["probe_excess_seconds"] == 1.0
     assert lines[4] == "  most often trained head.weight (2/2), block.weight (1/2)"
     assert len(lines) == 5  # no "why not met" line
     assert s.figures()["selections"] == 2.0 and "most_trained" not in s.figures()
@@ -87,6 +88,22 @@ def test_the_table_counts_the_steps_at_the_pace_each_ran_and_adds_up() -> None:
         "  per-step speedup   1.84x: a selected step 125.0 ms against a full step 230.0 ms (the device's mean pace "
         "over the fit, 1.15, x 200.0 ms)"
     )
+
+
+def test_a_probe_step_costs_what_a_full_step_at_the_mean_pace_takes_beyond_a_selected_one() -> None:
+    """Own time beyond selected steps: each probe step counts the full step at the fit's mean pace (230 ms here) less
+    the mean selected step (125 ms), its warm-up left out; counted whole when no selected step was measured."""
+    plan = WallClockPlan(speedup=2.0, total_steps=10, full_step=0.2, full_samples=2)
+    plan.spend(1.0, steps=4)
+    plan.pace = 1.25
+    plan.spend(1.3, steps=6)
+    totals = {"probe_seconds": 1.0, "probe_steps": 4, "profile_seconds": 0.5}
+    s = fit_summary([record([False, True, True], (0.125,))], plan, totals, NAMES, NUMEL, target_speedup=2.0)
+    assert s.probe_excess_seconds == pytest.approx(4 * (0.23 - 0.125))
+    assert s.own_seconds == 1.5 and s.own_excess_seconds == pytest.approx(0.5 + 0.42)
+    assert "(65% of the fit; 40% with a probe step counted by what it cost beyond a selected step)" in s.table()
+    unmeasured = fit_summary([], plan, totals, NAMES, NUMEL, target_speedup=2.0)  # no selection: no selected step
+    assert unmeasured.probe_excess_seconds == 1.0 and unmeasured.own_excess_seconds == unmeasured.own_seconds
 
 
 def test_a_missed_speedup_says_why_and_what_to_change() -> None:
