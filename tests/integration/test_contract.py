@@ -588,13 +588,15 @@ def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keep
     again: that fit, a new process (a new callback) that read the profile (not timed: cold, a first window of 6 steps
     where the first run planned 3), is not refused (only warned of the room X leaves: none) and lands on X, by its
     own account and against the device's full fit. (With the first run's warm-up in the figure, it said 3.21, and 3.21 was refused again with "at most 3.11".)
-    A first run asking X is not refused (a refusal would leave no profile in the cache), but warned that, paying its
-    profile, it reaches at most Y < X, where it lands, and that a later fit reading the profile reaches Z: the reach
-    that cached fit itself finds before training when asked X. (Planned with the first run's warm-up, Z was 3.25
-    where the cached fit found 3.11.) A first run asking above X is refused with X: neither it nor the cached fit
-    reaches it."""
+    A first run asking X is not refused, but warned that, paying its profile, it reaches at most Y < X, where it
+    lands, and that a later fit reading the profile reaches Z: the reach that fit itself finds before training when
+    asked X, a cold process that knows the steady step the first run remembered in the cache (here one no longer than
+    the profile's pass, which leaves the floor as it is). (Planned with the first run's warm-up, Z was 3.25 where a
+    cached fit found 3.11.) A first run asking above Z is refused with X: neither it nor the cached fit after it,
+    which then knows no step, reaches it."""
     profile_cost = 12 * PROFILE.t_full
     cached = False
+    profile = PROFILE
     checked: list[Reach] = []
     own_check = begin.check_reach
 
@@ -608,7 +610,7 @@ def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keep
     def measured(*args: Any, **kwargs: Any) -> Measured:
         if not cached:  # this process times the profile (and caches it)
             device.now += profile_cost
-        return Measured(PROFILE, timed=not cached)
+        return Measured(profile, timed=not cached)
 
     monkeypatch.setattr(callback_module, "measure_profile", measured)
 
@@ -638,12 +640,17 @@ def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keep
         first = fit(reachable)
     figures = next(m for w in warned if (m := re.search(said, str(w.message))))
     assert float(figures.group(1)) < reachable <= float(figures.group(2))  # its profile is in its account
-    assert figures.group(2) == at_most(later.reachable)
-    device = VirtualDevice(1.0)
-    with pytest.raises(SpeedupOutOfReach) as again:  # above X: out of the cached fit's reach, whatever its own warm-up
-        fit(reachable + 0.05)  # (the first run's own warm-up reaches 3.25 without its profile: it was warned)
-    assert again.value.reachable == reachable
     assert first.summary()["fit_speedup"] == pytest.approx(float(figures.group(1)), rel=MET_WITHIN)
+    assert later.reachable <= float(figures.group(2))  # a cached fit that knows no step warms up longer
+
+    cached, device, profile = True, VirtualDevice(1.0), dataclasses.replace(PROFILE, t_step=PROFILE.t_full)
+    fit(reachable)
+    assert checked[-1].floor == later.floor and figures.group(2) == at_most(checked[-1].reachable)
+
+    cached, device, profile = False, VirtualDevice(1.0), PROFILE
+    with pytest.raises(SpeedupOutOfReach) as again:  # above Z: out of reach for it and the cached fit after it
+        fit(float(figures.group(2)) + 0.05)
+    assert again.value.reachable == reachable
 
 
 @pytest.mark.parametrize("remembered", [1.5, 0.5], ids=["a longer step", "a pass timed slow"])
