@@ -132,7 +132,7 @@ class FitSummary:
     def own_excess_seconds(self) -> float:
         """The callback's own time with each probe step counted by what it cost beyond a selected step
         (`probe_excess_seconds`): what measuring cost the fit in training time."""
-        return self.profile_seconds + self.probe_excess_seconds + self.select_seconds + self.apply_seconds
+        return self.own_seconds - self.probe_seconds + self.probe_excess_seconds
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""

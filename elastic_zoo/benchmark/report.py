@@ -35,6 +35,21 @@ def time_to_accuracy(curve: Sequence[dict[str, float]], target: float) -> float:
     return next((p["seconds"] for p in curve if p["value"] >= target), math.nan)
 
 
+def own_share(run: dict[str, Any], probes: str) -> float:
+    """An elastic run's own time (profiling, the probe steps as its summary's figure `probes` counts them, selection
+    and freezing) against the training part of the run; NaN for a run without the callback.
+
+    Example:
+        >>> run = {"elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "probe_excess_seconds": 1.0,
+        ...     "select_seconds": 0.5}, "freeze_seconds": 0.5, "wall_seconds": 21.0, "validation_seconds": 1.0}
+        >>> own_share(run, "probe_seconds"), own_share(run, "probe_excess_seconds")
+        (0.3, 0.25)
+    """
+    elastic = run.get("elastic", {})
+    own = sum(elastic.get(k, math.nan) for k in ("profile_seconds", probes, "select_seconds"))
+    return (own + run.get("freeze_seconds", math.nan)) / (run["wall_seconds"] - run["validation_seconds"])
+
+
 def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric = "acc") -> list[dict[str, Any]]:
     """One flat row per run, with the figures that compare it with full fine-tuning of the same seed (the mean of its
     full runs' times, `full_references`).
@@ -62,17 +77,9 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric =
                 ),
                 "asked_speedup": r.get("speedup", math.nan),
                 "callback_fit_speedup": elastic.get("fit_speedup", math.nan),
-                "overhead_share": (
-                    sum(elastic.get(k, math.nan) for k in ("profile_seconds", "probe_seconds", "select_seconds"))
-                    + r.get("freeze_seconds", math.nan)
-                )
-                / (r["wall_seconds"] - r["validation_seconds"]),
-                # The same with each probe step counted by what it took beyond a selected step (`FitSummary`).
-                "excess_share": (
-                    sum(elastic.get(k, math.nan) for k in ("profile_seconds", "probe_excess_seconds", "select_seconds"))
-                    + r.get("freeze_seconds", math.nan)
-                )
-                / (r["wall_seconds"] - r["validation_seconds"]),
+                "overhead_share": own_share(r, "probe_seconds"),
+                # The same with each probe step counted by what it cost beyond a selected step (`FitSummary`).
+                "excess_share": own_share(r, "probe_excess_seconds"),
                 "train_s": r["wall_seconds"] - r["validation_seconds"],
                 "validation_s": r["validation_seconds"],
                 "steps": r["steps"],
