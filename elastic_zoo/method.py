@@ -20,7 +20,7 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,7 +32,16 @@ from lightning.pytorch.callbacks import BackboneFinetuning as _LightningBackbone
 from torch import Tensor, nn
 
 from elastic_zoo.baselines import LinearFreeze as _LinearFreezeCallback
-from elastic_zoo.baselines import TrainOnly, attach_backbone, bitfit, head_only, last_k_within_budget
+from elastic_zoo.baselines import (
+    TrainOnly,
+    attach_backbone,
+    bitfit,
+    head_only,
+    last_k_by_measured_steps,
+    last_k_within_budget,
+    suffix_sets,
+    train_only,
+)
 from lightning_elastic import TimingProfile, profile, warmup
 from lightning_elastic.arguments import speedup_problem
 from lightning_elastic.freezing import tied_names
@@ -104,13 +113,16 @@ class BitFit(HeadOnly):
 
 
 class StaticLastK(FineTuningMethod):
-    """The head and the last k tensors whose predicted step fits `1 / static_speedup` of a full step, chosen once.
+    """The head and the last k tensors whose step fits `1 / static_speedup` of a full step, chosen once.
 
-    The choice is made before the fit, from `profile` (a saved timing profile's JSON file) when given, else from
-    a profile taken on one batch of the training set on `accelerator` with `time_model`, calibrated to a training
-    step timed there too (`offline_step`): the pass alone left out the update and the loop, and a "3x" static fit
-    ran at 2.09-2.77x (docs/results.md). With `calibrate` False (the elastic callback's `calibrate`, followed so
-    that both choose under the same time model), under the profile's pass alone: the same choice in every run.
+    The choice is made before the fit, on one batch of the training set on `accelerator`: the candidates are the
+    suffixes of a timing profile (`profile`, a saved profile's JSON file, when given, else one taken on that batch
+    with `time_model`), and the suffix chosen is the largest whose training step, timed there (`offline_step`),
+    fits the budget; the profile, calibrated to a timed full step, only guides the search
+    (`last_k_by_measured_steps`). Chosen under the profile alone, a "2x" static fit ran at 1.75-2.91x and a "3x"
+    one at 2.09-2.77x (docs/results.md). Without data (`datamodule` None) or with `calibrate` False (the elastic
+    callback's `calibrate`, followed so that both choose under the same time model), under the profile's pass
+    alone: the same choice in every run.
     """
 
     name = "static_last_k"
@@ -134,10 +146,9 @@ class StaticLastK(FineTuningMethod):
         self.calibrate = calibrate
 
     def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
-        """The suffix that fits, under the profile calibrated to a training step timed offline (`offline_step`),
-        so that the fit runs at `static_speedup` (the wait for batches is not timed: a fit whose loading is slow
-        runs a little under it); without data (`datamodule` None, a saved profile) or `calibrate`, under the
-        profile's pass alone.
+        """The largest suffix whose training step, timed offline (`offline_step`), fits the budget, so that the fit
+        runs at `static_speedup` (the wait for batches is not timed: a fit whose loading is slow runs a little under
+        it); without data (`datamodule` None, a saved profile) or `calibrate`, under the profile's pass alone.
 
         Raises:
             ValueError: with neither a saved `profile` nor a `datamodule` to profile on.
@@ -153,12 +164,22 @@ class StaticLastK(FineTuningMethod):
                 "static_last_k chooses its tensors from a profile of the training step: it needs the training data "
                 "(a datamodule) or a saved profile (`profile`, a JSON file). Found: neither"
             )
-        model = None
-        if batch is not None and self.calibrate:
-            step, update = offline_step(module, batch)
-            model = StepTimeModel.calibrated(timing, full_step=step, optimizer_seconds=update)
-        names = last_k_within_budget(timing, self.static_speedup, self.head, model, tied_names(module))
-        return MethodSetup([TrainOnly(names)], float(len(names)), time.perf_counter() - started)
+        if batch is None or not self.calibrate:
+            names = last_k_within_budget(timing, self.static_speedup, self.head, aliases=tied_names(module))
+            return MethodSetup([TrainOnly(names)], float(len(names)), time.perf_counter() - started)
+        step, update = offline_step(module, batch)
+        model = StepTimeModel.calibrated(timing, full_step=step, optimizer_seconds=update)
+        sets = suffix_sets(timing, self.head, tied_names(module))
+
+        def timed(mask: tuple[bool, ...]) -> float:
+            return offline_step(module, batch, trained=_named(timing, mask))[0]
+
+        chosen = _named(timing, sets[last_k_by_measured_steps(sets, timed, step, self.static_speedup, model)])
+        return MethodSetup([TrainOnly(chosen)], float(len(chosen)), time.perf_counter() - started)
+
+
+def _named(timing: TimingProfile, mask: tuple[bool, ...]) -> list[str]:
+    return [name for name, keep in zip(timing.names, mask, strict=True) if keep]
 
 
 class BackboneFinetuning(FineTuningMethod):
@@ -228,18 +249,25 @@ OFFLINE_STEPS = 3
 
 
 def offline_step(
-    module: nn.Module, batch: tuple[Tensor, Tensor], clock: Callable[[], float] = time.perf_counter
+    module: nn.Module,
+    batch: tuple[Tensor, Tensor],
+    clock: Callable[[], float] = time.perf_counter,
+    trained: Collection[str] | None = None,
 ) -> tuple[float, float]:
-    """Seconds of a steady full training step (forward, backward, the module's optimizer update, clearing the
-    gradients) and of its update alone: the median of `OFFLINE_STEPS` steps after `warmup.WARMUP_STEPS`, each timed
-    on the device (`StepTimer`). They run on a copy of `module` with its own optimizer (`configure_optimizers`), under a
-    forked random state: the module, its data and every method's random draws are as they were.
+    """Seconds of a steady training step (forward, backward, the module's optimizer update, clearing the
+    gradients) and of its update alone, training every tensor or, with `trained`, those alone (the others frozen
+    before the optimizer is built, as `TrainOnly` freezes them): the median of `OFFLINE_STEPS` steps after
+    `warmup.WARMUP_STEPS`, each timed on the device (`StepTimer`). They run on a copy of `module` with its own
+    optimizer (`configure_optimizers`), under a forked random state: the module, its data and every method's random
+    draws are as they were.
 
     Raises:
         ValueError: when `configure_optimizers` returns anything but one optimizer.
     """
     device, warmup_steps = batch[0].device, warmup.WARMUP_STEPS
     twin = copy.deepcopy(module)
+    if trained is not None:
+        train_only(twin, trained)
     optimizer = twin.configure_optimizers()  # type: ignore[operator]
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from elastic_zoo import method
+from elastic_zoo import baselines, method
 from elastic_zoo.baselines import (
     LinearFreeze,
     TrainOnly,
@@ -110,6 +110,42 @@ def test_last_k_under_a_calibrated_model_is_the_longest_suffix_its_steps_fit(see
     assert len(chosen) <= len(last_k_within_budget(prof, speedup, head))
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_the_measured_choice_is_the_largest_candidate_whose_timed_step_fits(seed: int) -> None:
+    """Against brute force: whatever the model's error (a partial step dearer or cheaper than it predicts, in any
+    shape), the search returns the last candidate whose timed step fits, within its probes, or refuses with the
+    head's timed figure when none does."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 24)
+    names = tuple(f"t{i}" for i in range(n))
+    t_dw = tuple(rng.uniform(0.1, 3.0) for _ in range(n))
+    t_dy = (0.0, *(rng.uniform(0.0, 2.0) for _ in range(n - 1)))
+    t_fw = rng.uniform(0.5, 5.0)
+    prof = TimingProfile(names=names, t_dw=t_dw, t_dy=t_dy, t_fw=t_fw, t_full=t_fw + sum(t_dw) + sum(t_dy),
+                         device="cpu", fingerprint="f", unused=(), method="measured", numel=(1,) * n)  # fmt: skip
+    sets = baselines.suffix_sets(prof, head=[names[-1]] if rng.random() < 0.5 else [])
+    model = StepTimeModel.from_profile(prof)
+    # the timed step: a monotone distortion of the model's prediction, with a fixed cost of its own
+    power, fixed, full_step = rng.uniform(0.5, 2.0), rng.uniform(0.0, 0.4), rng.uniform(1.0, 10.0)
+    costs = [full_step * (fixed + (1 - fixed) * (model.predict(m) / model.full) ** power) for m in sets]
+    costs[-1] = full_step
+    speedup = rng.uniform(1.05, 4.0)
+    probed: list[int] = []
+
+    def timed(mask: tuple[bool, ...]) -> float:
+        probed.append(sets.index(mask))
+        return costs[sets.index(mask)]
+
+    fits = [i for i, cost in enumerate(costs) if cost <= full_step / speedup]
+    if not fits:
+        with pytest.raises(SpeedupOutOfReach, match=r"^`speedup` must be at most [0-9.]+ for a static selection") as e:
+            baselines.last_k_by_measured_steps(sets, timed, full_step, speedup, model)
+        assert e.value.reachable == math.floor(full_step / costs[0] * 100) / 100 < speedup
+        return
+    assert baselines.last_k_by_measured_steps(sets, timed, full_step, speedup, model) == fits[-1]
+    assert len(probed) == len(set(probed)) <= baselines.MEASURED_PROBES
+
+
 def test_the_pass_alone_overspends_where_the_calibrated_model_fits_the_step() -> None:
     prof = TimingProfile(
         names=("a", "b", "c"), t_dw=(1.0, 1.0, 1.0), t_dy=(0.0, 1.0, 1.0), t_fw=1.0, t_full=6.0,
@@ -168,21 +204,31 @@ def test_static_last_k_fits_the_step_it_timed_before_the_fit(
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(unit.to_dict()))
     timed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    trained_sets: list[int] = []
 
-    def offline_step(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    def offline_step(
+        module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], trained: list[str] | None = None
+    ) -> tuple[float, float]:
         timed.append(batch)
-        return 18.0, 0.0  # 6 units a step besides the 12 of the pass: at 2x, 9 units leave 3 tensors of 1 unit
+        if trained is None:
+            return 18.0, 0.0  # 6 units a step besides the 12 of the pass: the calibrated model says 6 + j for j tensors
+        assert set(trained) <= set(names) and {"model.10.weight", "model.10.bias"} <= set(trained)
+        trained_sets.append(len(trained))
+        return 4.0 + len(trained), 0.0  # a partial step is cheaper than that: at 2x (9 units) 5 tensors fit, not 3
 
     monkeypatch.setattr(method, "offline_step", offline_step)
     module = ImageClassifier(tiny_cnn(num_classes=2), num_classes=2)
     static = StaticLastK("model.10.*", 2.0, "measured", "cpu", profile=str(path))
     assert static.prepare(module, datamodule=None).trained_tensors == 6  # no data: the pass alone, 6 of 12 units
     assert not timed
-    assert static.prepare(module, datamodule=_Batches()).trained_tensors == 3
-    assert len(timed) == 1 and timed[0][0].shape == (4, 3, 16, 16)
+    setup = static.prepare(module, datamodule=_Batches())
+    assert setup.trained_tensors == 5
+    assert {4, 5} <= set(trained_sets) and 6 in trained_sets  # the choice is bracketed by timed steps: 5 in, 6 over
+    assert all(batch[0].shape == (4, 3, 16, 16) for batch in timed)
+    calls = len(timed)
     # the elastic callback's `calibrate=False` followed: the pass alone, with data too, and no step timed
     uncalibrated = StaticLastK("model.10.*", 2.0, "measured", "cpu", profile=str(path), calibrate=False)
-    assert uncalibrated.prepare(module, datamodule=_Batches()).trained_tensors == 6 and len(timed) == 1
+    assert uncalibrated.prepare(module, datamodule=_Batches()).trained_tensors == 6 and len(timed) == calls
     with pytest.raises(ValueError, match=r"needs the training data \(a datamodule\) or a saved profile .* Found: neither"):
         StaticLastK("model.10.*", 2.0, "measured", "cpu").prepare(module, datamodule=None)
 
