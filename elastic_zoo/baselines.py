@@ -89,9 +89,11 @@ def last_k_within_budget(
 
     The prediction is `model`, by default `StepTimeModel.from_profile(profile)`: the profiled pass alone, which
     leaves out what every real step pays besides (the optimizer update, the loop), so the fit runs slower than
-    `speedup` (Fashion-MNIST at 3: 2.09-2.77x, docs/results.md). `StaticLastK` passes the profile calibrated to a
-    measured training step (`StepTimeModel.calibrated`), as the elastic callback's plan does. A step training more
-    of the suffix never costs less, so the search stops at the first suffix over the budget.
+    `speedup` (Fashion-MNIST at 3: 2.09-2.77x, docs/results.md); calibrated to a timed full step
+    (`StepTimeModel.calibrated`) it prices a partial step of Lite0 high, and the fit runs faster ("1.5x" at
+    1.56-2.32x). So `StaticLastK` chooses with this only without data or with `calibrate` False; with data, by timed
+    steps (`last_k_by_measured_steps`). A step training more of the suffix never costs less, so the search stops at
+    the first suffix over the budget.
 
     Raises:
         ValueError: when `speedup` is not a finite number > 1; `SpeedupOutOfReach` (a ValueError) when the head
@@ -141,9 +143,9 @@ def suffix_sets(
     return sets
 
 
-# The most training steps `last_k_by_measured_steps` times, one candidate each; a probe that does not halve the
-# bracket is followed by one that does, so this settles about 2^6 candidates without the model's help.
-MEASURED_PROBES = 12
+# How many of `last_k_by_measured_steps`'s timings the time model guides; after them it bisects until the bracket
+# closes. A guided probe that does not halve the bracket is followed by one that does.
+GUIDED_PROBES = 8
 
 
 def last_k_by_measured_steps(
@@ -152,19 +154,22 @@ def last_k_by_measured_steps(
     full_step: float,
     speedup: float,
     model: StepTimeModel,
-    probes: int = MEASURED_PROBES,
+    guided: int = GUIDED_PROBES,
 ) -> int:
     """The index in `sets` (`suffix_sets`, each training more) of the largest whose step, timed by `measure`, fits
     `full_step / speedup`: what makes a static fit run at the asked speedup where the time model, which prices a
-    partial step from the profile, is off (a "2x" static fit chosen by the model ran at 1.75-2.91x, docs/results.md).
+    partial step from the profile, is off (chosen by the calibrated model, "1.5x" static fits of Lite0 ran at
+    1.56-2.32x, docs/results.md). Each candidate is timed once, as `measure` times it: with timings that do not grow
+    with the candidate (noise), the answer is a candidate timed within the budget whose next one was timed over it.
 
     The search keeps a bracket: the largest candidate timed within the budget and the smallest timed over it (at
-    first, none and every tensor, a full step). Each probe is the candidate `model` predicts at the budget, its
-    prediction scaled by what the last probe timed against it, clamped inside the bracket; after a probe that did
-    not halve the bracket, the next one bisects it. It stops when the bracket closes or after `probes` timings,
-    with the largest candidate timed within the budget.
+    first, none and every tensor, a full step). Each of the first `guided` probes is the candidate `model` predicts
+    at the budget, its prediction scaled by what the last probe timed against it, clamped inside the bracket; after
+    a probe that did not halve the bracket, the next one bisects it. Then it bisects until the bracket closes: at
+    most `guided` + log2(len(sets)) timings, no candidate timed twice.
 
     Raises:
+        ValueError: when `full_step` is not > 0.
         SpeedupOutOfReach: when the first candidate (the head alone) is timed over the budget, with the largest
             speedup it fits, rounded down.
 
@@ -176,31 +181,27 @@ def last_k_by_measured_steps(
         >>> last_k_by_measured_steps(suffix_sets(p), timed, 2.0, 1.5, model), len(last_k_within_budget(p, 1.5))
         (0, 2)
     """
-    budget = full_step / speedup
+    if not full_step > 0:
+        raise ValueError(f"`full_step` must be a number of seconds > 0. Found: {full_step!r}")
+    budget, fallback = full_step / speedup, full_step / model.full if model.full > 0 else 1.0
     timed: dict[int, float] = {}
     low, high = -1, len(sets) - 1  # the last candidate trains every tensor: a full step, over any budget
-    guess = _largest_within(sets, model, budget * model.full / full_step)
-    halve = False
-    for _ in range(probes):
-        if high - low <= 1:
-            break
+    guess, halve, probes = _largest_within(sets, model, budget / fallback), False, 0
+    while high - low > 1:
         width = high - low
-        index = (low + high) // 2 if halve else min(max(guess, low + 1), high - 1)
-        timed[index] = measure(sets[index])
+        bisect = halve or probes >= guided
+        index = (low + high) // 2 if bisect else min(max(guess, low + 1), high - 1)
+        timed[index], probes = measure(sets[index]), probes + 1
         low, high = (index, high) if timed[index] <= budget else (low, index)
         predicted = model.predict(sets[index])
-        scale = timed[index] / predicted if predicted > 0 else full_step / model.full
-        guess = _largest_within(sets, model, budget / scale)
-        halve = high - low > width / 2
-    if low < 0 and 0 not in timed:
-        timed[0] = measure(sets[0])
-        low = 0 if timed[0] <= budget else low
-    if low < 0:
-        reachable = at_most(full_step / timed[0])
+        scale = timed[index] / predicted if predicted > 0 and timed[index] > 0 else fallback
+        guess, halve = _largest_within(sets, model, budget / scale), high - low > width / 2
+    if low < 0:  # the first candidate was timed over the budget, or is the only one: every tensor, a full step
+        head = timed.get(0, full_step)
+        reachable = at_most(full_step / head)
         raise SpeedupOutOfReach(
             f"`speedup` must be at most {reachable} for a static selection of this model: a step training the "
-            f"head (or the last tensor) alone was timed at {timed[0] / full_step:.0%} of a full step. "
-            f"Found: {speedup:g}",
+            f"head (or the last tensor) alone was timed at {head / full_step:.0%} of a full step. Found: {speedup:g}",
             reachable=float(reachable),
         )
     return low

@@ -55,7 +55,7 @@ class MethodSetup:
     """What a method adds to a fit: its callbacks, how many tensors it trains, and its work before the fit.
 
     `trained_tensors` is NaN for a schedule (the trained set changes during the fit); `offline_seconds` is the
-    time spent choosing the trained set before the fit (static_last_k's profile), not part of the fit.
+    time spent choosing the trained set before the fit (static_last_k's profile and timed steps), not part of it.
     """
 
     callbacks: list[L.Callback] = field(default_factory=list)
@@ -119,10 +119,10 @@ class StaticLastK(FineTuningMethod):
     suffixes of a timing profile (`profile`, a saved profile's JSON file, when given, else one taken on that batch
     with `time_model`), and the suffix chosen is the largest whose training step, timed there (`offline_step`),
     fits the budget; the profile, calibrated to a timed full step, only guides the search
-    (`last_k_by_measured_steps`). Chosen under the profile alone, a "2x" static fit ran at 1.75-2.91x and a "3x"
-    one at 2.09-2.77x (docs/results.md). Without data (`datamodule` None) or with `calibrate` False (the elastic
-    callback's `calibrate`, followed so that both choose under the same time model), under the profile's pass
-    alone: the same choice in every run.
+    (`last_k_by_measured_steps`). Chosen by the profile's pass alone, "3x" static fits ran at 2.09-2.77x; by the
+    profile calibrated to a timed full step, "1.5x" ones at 1.56-2.32x (docs/results.md). Without data
+    (`datamodule` None) or with `calibrate` False (the elastic callback's `calibrate`, followed so that both choose
+    under the same time model), under the profile's pass alone: the same choice in every run.
     """
 
     name = "static_last_k"
@@ -147,8 +147,10 @@ class StaticLastK(FineTuningMethod):
 
     def prepare(self, module: nn.Module, datamodule: Any) -> MethodSetup:
         """The largest suffix whose training step, timed offline (`offline_step`), fits the budget, so that the fit
-        runs at `static_speedup` (the wait for batches is not timed: a fit whose loading is slow runs a little under
-        it); without data (`datamodule` None, a saved profile) or `calibrate`, under the profile's pass alone.
+        runs at `static_speedup` (neither the wait for batches nor Lightning's loop is timed, and the steps run in
+        the module's own precision, not the trainer's: a fit whose loading or loop is slow runs a little under it,
+        and one under mixed precision is timed as full precision); without data (`datamodule` None, a saved
+        profile) or `calibrate`, under the profile's pass alone.
 
         Raises:
             ValueError: with neither a saved `profile` nor a `datamodule` to profile on.
@@ -262,7 +264,8 @@ def offline_step(
     draws are as they were.
 
     Raises:
-        ValueError: when `configure_optimizers` returns anything but one optimizer.
+        ValueError: when `configure_optimizers` returns anything but one optimizer, or a name in `trained` is not a
+            parameter of `module`.
     """
     device, warmup_steps = batch[0].device, warmup.WARMUP_STEPS
     twin = copy.deepcopy(module)
