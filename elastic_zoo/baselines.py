@@ -112,13 +112,23 @@ def last_k_within_budget(
     sets = suffix_sets(profile, head, aliases)
     best = _largest_within(sets, model, model.full / speedup)
     if best < 0:
-        floor = model.predict(sets[0])
-        raise SpeedupOutOfReach(
-            f"`speedup` must be at most {at_most(model.full / floor)} for a static selection of this model: the head "
-            f"(or the last tensor) alone takes {floor / model.full:.0%} of a full step. Found: {speedup:g}",
-            reachable=float(at_most(model.full / floor)),
-        )
-    return [name for name, keep in zip(profile.names, sets[best], strict=True) if keep]
+        raise _head_alone_refusal(model.predict(sets[0]), model.full, "takes", speedup)
+    return names_of(profile, sets[best])
+
+
+def names_of(profile: TimingProfile, mask: Sequence[bool]) -> list[str]:
+    """The names of `profile`'s tensors that `mask` keeps."""
+    return [name for name, keep in zip(profile.names, mask, strict=True) if keep]
+
+
+def _head_alone_refusal(head: float, full: float, verb: str, speedup: float) -> SpeedupOutOfReach:
+    """The refusal of a static `speedup` whose head alone (or last tensor) `verb` `head` seconds of a `full` step."""
+    reachable = at_most(full / head)
+    return SpeedupOutOfReach(
+        f"`speedup` must be at most {reachable} for a static selection of this model: the head (or the last tensor) "
+        f"alone {verb} {head / full:.0%} of a full step. Found: {speedup:g}",
+        reachable=float(reachable),
+    )
 
 
 def suffix_sets(
@@ -197,13 +207,7 @@ def last_k_by_measured_steps(
         scale = timed[index] / predicted if predicted > 0 and timed[index] > 0 else fallback
         guess, halve = _largest_within(sets, model, budget / scale), high - low > width / 2
     if low < 0:  # the first candidate was timed over the budget, or is the only one: every tensor, a full step
-        head = timed.get(0, full_step)
-        reachable = at_most(full_step / head)
-        raise SpeedupOutOfReach(
-            f"`speedup` must be at most {reachable} for a static selection of this model: a step training the "
-            f"head (or the last tensor) alone was timed at {head / full_step:.0%} of a full step. Found: {speedup:g}",
-            reachable=float(reachable),
-        )
+        raise _head_alone_refusal(timed.get(0, full_step), full_step, "was timed at", speedup)
     return low
 
 

@@ -39,6 +39,7 @@ from elastic_zoo.baselines import (
     head_only,
     last_k_by_measured_steps,
     last_k_within_budget,
+    names_of,
     suffix_sets,
     train_only,
 )
@@ -174,14 +175,10 @@ class StaticLastK(FineTuningMethod):
         sets = suffix_sets(timing, self.head, tied_names(module))
 
         def timed(mask: tuple[bool, ...]) -> float:
-            return offline_step(module, batch, trained=_named(timing, mask))[0]
+            return offline_step(module, batch, trained=names_of(timing, mask))[0]
 
-        chosen = _named(timing, sets[last_k_by_measured_steps(sets, timed, step, self.static_speedup, model)])
+        chosen = names_of(timing, sets[last_k_by_measured_steps(sets, timed, step, self.static_speedup, model)])
         return MethodSetup([TrainOnly(chosen)], float(len(chosen)), time.perf_counter() - started)
-
-
-def _named(timing: TimingProfile, mask: tuple[bool, ...]) -> list[str]:
-    return [name for name, keep in zip(timing.names, mask, strict=True) if keep]
 
 
 class BackboneFinetuning(FineTuningMethod):
