@@ -26,6 +26,7 @@ from lightning_elastic.errors import ElasticConfigError, is_positive_int
 from lightning_elastic.freezing import BN_POLICIES, BnPolicy
 from lightning_elastic.profiling import TimeModel, TimingProfile
 from lightning_elastic.schedule import IntervalUnit
+from lightning_elastic.units import UNIT_KINDS, UnitKind
 
 # The selection's dynamic program keeps a byte per tensor and grid unit (`selector.select`): 100,000 units of a step's
 # budget are a microsecond of a 100 ms step, below any clock's noise; 10**12 asked for 7 TiB at the first selection.
@@ -63,6 +64,7 @@ def constructor_problems(
     calibrate: object,
     log_images: object,
     clock: object,
+    units: object = "layer",
 ) -> list[str]:
     """What is wrong with each argument of `ElasticTensorSelection` (see its docstring), one message each; [] if none.
 
@@ -110,6 +112,8 @@ def constructor_problems(
             problems.append(f"`{name}` must be True or False. Found: {flag!r}")
     if not callable(clock):
         problems.append(f"`clock` must be a callable returning seconds. Found: {clock!r}")
+    if units not in UNIT_KINDS:
+        problems.append(f"`units` must be one of {UNIT_KINDS}. Found: {units!r}")
     return problems
 
 
@@ -148,6 +152,7 @@ class Settings:
     calibrate: bool
     log_images: bool
     clock: Callable[[], float]
+    units: UnitKind = "layer"
 
     @classmethod
     def checked(cls, **arguments: Any) -> Settings:

@@ -10,7 +10,8 @@ The callback is the method's table of contents; each step lives in its own modul
 3. probe    (`importance.ImportanceEvaluator`) importance from real updates: of every tensor in probe windows,
                                                 of the trained ones at every other step;
 4. select   (`selector.decide`)               the exact DP under the plan's step target and `time_model`
-                                                (`terms.step_terms`), re-planned when steps run off it;
+                                                (`terms.step_terms`) over whole layers (`units`), re-planned when
+                                                steps run off it;
 5. apply    (`freezing`)                      `requires_grad` on or off, so autograd does less work;
 6. inspect  (`reporting`, `inspection`)       what it cost to every logger; what was trained when to TensorBoard.
 
@@ -51,6 +52,7 @@ from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_parameters, check_supported, fit_schedule
 from lightning_elastic.summary import FitSummary, fit_summary
 from lightning_elastic.terms import step_terms
+from lightning_elastic.units import UnitKind
 
 STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
 
@@ -82,6 +84,8 @@ class ElasticTensorSelection(Callback):
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.
+        units: "layer" (default) selects each module's tensors together, a normalisation layer's with the module
+            before it (a convolution and its BatchNorm); "tensor" selects every tensor on its own, as published.
         bn_policy: BatchNorm layers whose tensors are all frozen: "update" keeps updating their running statistics
             (PyTorch's default behaviour); "freeze" puts them in eval mode, so the frozen part is a fixed function.
         resolution: time quantisation of the dynamic program (units of the budget).
@@ -110,6 +114,7 @@ class ElasticTensorSelection(Callback):
         time_model: TimeModel = "auto",
         train_always: Sequence[str] = (),
         train_never: Sequence[str] = (),
+        units: UnitKind = "layer",
         bn_policy: BnPolicy = "update",
         resolution: PositiveInt = 1000,
         cache_dir: Literal[False] | str | os.PathLike[str] | None = None,  # False first: LightningCLI tries in order
@@ -122,7 +127,7 @@ class ElasticTensorSelection(Callback):
             speedup=speedup, interval=interval, interval_unit=interval_unit, probe_steps=probe_steps,
             time_model=time_model, train_always=train_always, train_never=train_never, bn_policy=bn_policy,
             resolution=resolution, cache_dir=cache_dir, profile=profile, calibrate=calibrate, log_images=log_images,
-            clock=clock,
+            clock=clock, units=units,
         )  # fmt: skip
         self._choice = ProfileChoice("measured", auto=False)  # this fit's time model (`ProfileChoice.of`)
         self._profile: TimingProfile | None = None  # carries from fit to fit on purpose (same model: no re-profiling)
@@ -346,7 +351,9 @@ class ElasticTensorSelection(Callback):
         terms = step_terms(fit, trainer, self._settings.calibrate)
         pins = (fit.required, fit.forbidden)
         target, resolution = terms.target, self._settings.resolution
-        decision = decide(terms.model, importance, target, required=pins[0], forbidden=pins[1], resolution=resolution)
+        decision = decide(
+            terms.model, importance, target, required=pins[0], forbidden=pins[1], resolution=resolution, units=fit.units
+        )
         if fit.say_starved(decision):
             step, plan = fit.step_of(trainer), fit.plan
             rank_zero_warn(reporting.starved_warning(step, decision, terms, plan, fit.schedule, *pins))

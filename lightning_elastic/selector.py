@@ -20,6 +20,7 @@ import numpy as np
 
 from lightning_elastic.records import Decision, Mask
 from lightning_elastic.time_model import StepTimeModel, backward_cost
+from lightning_elastic.units import Units
 
 # Relative error of one correctly rounded float64 operation, doubled for a safety margin.
 _ROUNDING = 2.0**-52
@@ -129,41 +130,53 @@ def decide(
     required: Sequence[bool],
     forbidden: Sequence[bool],
     resolution: int = 1000,
+    units: Units | None = None,
 ) -> Decision:
-    """The trainable set for the next interval: the most important tensors whose step fits `target_seconds`.
+    """The trainable set for the next interval: the most important units whose step fits `target_seconds`.
 
-    When nothing fits (the target is at or below the cheapest step that trains the `required` tensors, or any
-    tensor), the decision is that cheapest step and says so with `starved`: required tensors alone, else the
-    single tensor whose step is cheapest. When tensors fit but none is worth training (importance at most 0), the
-    most important single tensor whose step fits trains.
+    `units` (default: every tensor its own) are the groups of tensors selected whole (`units.Units`); a unit's
+    importance is the sum of its tensors', and a unit with a required tensor is required. When nothing fits (the
+    target is at or below the cheapest step that trains the `required` units, or any unit), the decision is that
+    cheapest step and says so with `starved`: required units alone, else the single unit whose step is cheapest.
+    When units fit but none is worth training (importance at most 0), the most important single unit whose step
+    fits trains. Forbidden tensors never train, whatever unit they are in.
 
     Example:
         >>> model = StepTimeModel(t_dw=(2.0, 1.0, 1.0), t_dy=(4.0, 2.0, 1.0), t_fixed=3.0)
         >>> decision = decide(model, [5.0, 3.0, 1.0], 7.0, required=[False] * 3, forbidden=[False] * 3)
         >>> decision.mask.flags, decision.predicted_seconds, decision.starved
         ((False, True, True), 6.0, False)
+        >>> paired = decide(model, [5.0, 3.0, 1.0], 7.0, required=[False] * 3, forbidden=[False] * 3,
+        ...     units=Units(((0,), (1, 2))))
+        >>> paired.mask.flags, paired.predicted_seconds
+        ((False, True, True), 6.0)
     """
-    pinned, banned = Mask.of(required), Mask.of(forbidden)
-    budget = min(target_seconds, model.full) - model.t_fixed  # an unbounded target trains everything allowed
-    floor = model.predict(pinned) - model.t_fixed if any(pinned) else 0.0
-    # Slack so that the pinned tensors still fit once each cost is rounded up to the grid.
+    units = units or Units.tensors(len(importance))
+    if units.size != len(importance):
+        raise ValueError(f"`units` must cover the {len(importance)} tensors. Found: {units.size}")
+    unit_model, values = units.model(model), units.values(importance)
+    pinned, banned = Mask.of(units.required(required)), Mask.of(units.forbidden(forbidden, required))
+    budget = min(target_seconds, unit_model.full) - unit_model.t_fixed  # an unbounded target trains all allowed
+    floor = unit_model.predict(pinned) - unit_model.t_fixed if any(pinned) else 0.0
+    # Slack so that the pinned units still fit once each cost is rounded up to the grid.
     grid_floor = floor * resolution / max(resolution - sum(pinned) - 2, 1)
     solved = select(
-        model.t_dw,
-        model.t_dy,
-        importance,
+        unit_model.t_dw,
+        unit_model.t_dy,
+        values,
         max(budget, grid_floor, 1e-12),
         resolution,
         required=pinned,
         forbidden=banned,
     )
-    mask = Mask.of(solved.mask)
-    if not any(mask):  # one tensor must train: the most important single one whose step fits, else the cheapest
+    chosen = Mask.of(solved.mask)
+    if not any(chosen):  # one unit must train: the most important single one whose step fits, else the cheapest
         n = len(banned)
-        singles = {k: model.predict([j == k for j in range(n)]) for k in range(n) if not banned[k]}
+        singles = {k: unit_model.predict([j == k for j in range(n)]) for k in range(n) if not banned[k]}
         fitting = [k for k, seconds in singles.items() if seconds <= target_seconds]
-        one = max(fitting, key=lambda k: importance[k]) if fitting else min(singles, key=singles.__getitem__)
-        mask = Mask.of([k == one for k in range(n)])
+        one = max(fitting, key=lambda k: values[k]) if fitting else min(singles, key=singles.__getitem__)
+        chosen = Mask.of([k == one for k in range(n)])
+    mask = units.expand(chosen, forbidden)
     predicted = model.predict(mask)
     return Decision(
         mask=mask,

@@ -43,6 +43,7 @@ from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.terms import mean_over_ranks, off_plan
 from lightning_elastic.timing import StepClock
+from lightning_elastic.units import Units
 from lightning_elastic.warmup import FirstWindow
 
 TOTALS = (
@@ -70,6 +71,7 @@ class FitSession:
     clock: StepClock  # every optimizer step's seconds, its update's, the callback's own, and the wait for its batch
     settings: Settings  # the callback's arguments
     plan: WallClockPlan
+    units: Units  # the groups of tensors a selection trains or freezes whole (`units.layer_units`)
     allreduce: SelectiveAllReduce | None = None
     latest: LatestImportance = field(default_factory=lambda: LatestImportance.unmeasured(0))  # as last measured
     history: list[SelectionRecord] = field(default_factory=list)
@@ -133,6 +135,7 @@ class FitSession:
             clock=StepClock(device, settings.clock),
             settings=settings,
             plan=plan,
+            units=Units.of(settings.units, pl_module, prof.names),
             latest=LatestImportance.unmeasured(len(params)),
             compiled=is_compiled(pl_module),
             warmup=FirstWindow(warm_step=prof.t_step),

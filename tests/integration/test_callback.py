@@ -130,6 +130,7 @@ def test_unreachable_speedup_fails_before_training_with_the_largest_reachable() 
         ({"probe_steps": -1}, r"`probe_steps` must be a positive int or 'auto'. Found: -1"),
         ({"time_model": "guess"}, r"`time_model` must be one of \('auto', 'measured', 'flops'\). Found: 'guess'"),
         ({"bn_policy": "off"}, r"`bn_policy` must be one of \('update', 'freeze'\). Found: 'off'"),
+        ({"units": "block"}, r"`units` must be one of \('layer', 'tensor'\). Found: 'block'"),
         ({"train_always": "fc.*"}, r"`train_always` must be a list of non-empty name patterns. Found: 'fc.\*'"),
         ({"train_never": 5}, r"`train_never` must be a list of non-empty name patterns. Found: 5"),
         ({"resolution": 0}, r"`resolution` must be a positive int of at most 100000. Found: 0"),
@@ -439,3 +440,15 @@ def test_a_selection_without_a_window_reads_the_frozen_tensors_fallen_as_the_tra
         assert [new[k] for k in frozen] == pytest.approx([old[k] * fall for k in frozen], rel=1e-9)
         checked += len(frozen) * (fall != pytest.approx(1.0))
     assert checked > 0  # frozen tensors were read fallen, not as measured
+
+
+@pytest.mark.parametrize("units", ["layer", "tensor"])
+def test_selections_train_a_layer_with_its_batchnorm_unless_units_are_tensors(units: str) -> None:
+    """TinyNet's first Linear and its BatchNorm (tensors 0-3) are one unit by default: every selection trains all
+    four or none of them. Selected by tensors under AdamW, the four part in some selection of this fit (measured:
+    '1010', the weights without their biases)."""
+    callback = elastic(units=units, speedup=1.2)
+    fit([callback], module=TinyNet(optimizer="adamw"), max_epochs=4)
+    assert len(callback.history) >= 5
+    apart = [record.mask[:4] for record in callback.history if len(set(record.mask[:4])) > 1]
+    assert (apart == []) == (units == "layer"), apart
