@@ -53,7 +53,7 @@ class Units:
     def __post_init__(self) -> None:
         flat = [k for group in self.groups for k in group]
         if flat != list(range(len(flat))) or any(not group for group in self.groups):
-            shown = f"{self.groups}"
+            shown = f"{self.groups}"  # long for a big model: its start is enough
             raise ValueError(f"`groups` must split 0..N-1 into contiguous non-empty runs, in order. Found: {shown:.80}")
 
     @classmethod
@@ -136,7 +136,7 @@ def layer_units(module: nn.Module, names: Sequence[str]) -> Units:
     for k, name in enumerate(names):
         path = name.rpartition(".")[0]
         norm = isinstance(module.get_submodule(path), _NORMS)
-        if groups and before is not None and (path == before[0] or (norm and not before[1])):
+        if before is not None and (path == before[0] or (norm and not before[1])):
             groups[-1].append(k)
         else:
             groups.append([k])
