@@ -73,8 +73,10 @@ def select(
 
     Times are quantised to ``resolution`` units of ``budget`` and rounded up (each ``t_dw`` on its own,
     the ``t_dy`` charge as the ceiling of the exact suffix sum), so the selection never exceeds
-    ``budget`` on the unquantised times. The result is optimal for the quantised times; when times and
-    budget are integers and ``resolution == budget`` it is optimal outright. Among selections of equal
+    ``budget`` on the unquantised times. The result is optimal for the quantised times; it is optimal outright
+    when times and budget are integers and ``resolution == budget``, and when every tensor of positive
+    importance fits the budget together with the required ones (that set is then the selection, and no
+    tensor is rounded out of a budget that holds it). Among selections of equal
     total importance the one with the lowest cost on the grid wins, the empty selection first. Time and
     memory are O(N * resolution) (one byte per tensor and grid unit).
 
@@ -110,11 +112,15 @@ def select(
         raise ValueError(
             f"A tensor cannot be both `required` and `forbidden`. Found: both at indices {clash.tolist()}"
         )
-    units_dw = _units_up(dw, budget, resolution)
-    units_dy = _suffix_units_up(dy, budget, resolution)
-    if pinned.any():
-        _check_required_fit(pinned, dw, dy, units_dw, units_dy, budget, resolution)
-    mask = _solve(units_dw, units_dy, value, pinned, banned, resolution)
+    worth = pinned | ((value > 0) & ~banned)  # the best set of all, and the cheapest of the best, with no budget
+    if backward_cost(worth.tolist(), dw.tolist(), dy.tolist()) <= budget:
+        mask = tuple(bool(flag) for flag in worth)  # fits: optimal outright, where the grid could round a tensor out
+    else:
+        units_dw = _units_up(dw, budget, resolution)
+        units_dy = _suffix_units_up(dy, budget, resolution)
+        if pinned.any():
+            _check_required_fit(pinned, dw, dy, units_dw, units_dy, budget, resolution)
+        mask = _solve(units_dw, units_dy, value, pinned, banned, resolution)
     return Selection(
         mask=mask,
         importance=math.fsum(float(v) for v, flag in zip(value, mask, strict=True) if flag),
@@ -156,7 +162,7 @@ def decide(
         raise ValueError(f"`units` must cover the {len(importance)} tensors. Found: {units.size}")
     unit_model, values = units.model(model), units.values(importance)
     pinned, banned = Mask.of(units.required(required)), Mask.of(units.forbidden(forbidden, required))
-    budget = min(target_seconds, unit_model.full) - unit_model.t_fixed  # an unbounded target trains all allowed
+    budget = min(target_seconds, unit_model.full) - unit_model.t_fixed  # over the full step: all worth training
     floor = unit_model.predict(pinned) - unit_model.t_fixed if any(pinned) else 0.0
     # Slack so that the pinned units still fit once each cost is rounded up to the grid.
     grid_floor = floor * resolution / max(resolution - sum(pinned) - 2, 1)

@@ -116,8 +116,10 @@ def test_integer_instances_match_brute_force() -> None:
 
 
 def test_float_instances_are_optimal_on_the_grid_and_within_budget() -> None:
-    """resolution < budget: never over budget on the real times, optimal once times are rounded up."""
+    """resolution < budget: never over budget on the real times, optimal once times are rounded up, and optimal
+    outright when every tensor worth training fits."""
     rng = np.random.default_rng(1)
+    fits_all = 0
     for case in range(500):
         n = int(rng.integers(1, 11))
         t_dw = rng.uniform(0, 1, n) * (rng.random(n) > 0.15)
@@ -136,8 +138,28 @@ def test_float_instances_are_optimal_on_the_grid_and_within_budget() -> None:
         context = f"case {case}: resolution={resolution} -> {s}"
         assert s.cost <= budget, context
         assert backward_cost(s.mask, t_dw.tolist(), t_dy.tolist()) <= budget, context
-        assert s.importance == pytest.approx(on_grid[0], abs=1e-9), context
         assert s.importance <= true[0] + 1e-9, context
+        worth = importance > 0
+        if backward_cost(worth.tolist(), t_dw.tolist(), t_dy.tolist()) <= budget:  # every tensor worth it fits
+            assert s.mask == tuple(worth.tolist()), context
+            fits_all += 1
+        else:
+            assert s.importance == pytest.approx(on_grid[0], abs=1e-9), context
+    assert 0 < fits_all < 400  # both branches exercised
+
+
+def test_a_budget_that_holds_every_tensor_worth_training_selects_them_all() -> None:
+    """On the grid, 40 tensors each just over a unit round up to 2 units: the exact total fits, the rounded does not."""
+    n, resolution = 40, 50
+    t_dw = [1.01] * n
+    budget = sum(t_dw)  # 40.4 exactly the cost of training all: 40 * 2 = 80 units rounded up on a grid of 50
+    s = select(t_dw, [0.0] * n, [1.0] * n, budget, resolution)
+    assert s.mask == (True,) * n
+    assert s.cost == pytest.approx(budget)
+    some_worthless = select(t_dw, [0.0] * n, [1.0, -1.0, 0.0] + [1.0] * (n - 3), budget, resolution)
+    assert some_worthless.mask == (True, False, False) + (True,) * (n - 3)
+    over = select(t_dw, [0.0] * n, [1.0] * n, budget * 0.99, resolution)  # one must go: the grid decides
+    assert 0 < sum(over.mask) < n and over.cost <= budget * 0.99
 
 
 def test_matches_per_depth_knapsacks_on_larger_instances() -> None:

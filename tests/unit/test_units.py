@@ -112,3 +112,18 @@ def test_units_that_do_not_cover_the_tensors_are_refused() -> None:
     model = StepTimeModel(t_dw=(1.0, 1.0), t_dy=(1.0, 1.0), t_fixed=1.0)
     with pytest.raises(ValueError, match=r"`units` must cover the 2 tensors\. Found: 3"):
         decide(model, [1.0, 1.0], 3.0, required=[False] * 2, forbidden=[False] * 2, units=Units.tensors(3))
+
+
+def test_a_target_at_or_over_the_full_step_trains_every_unit_worth_training_whatever_the_grid() -> None:
+    """30 units on a grid of 50: each rounded up alone, they would not all fit a budget that holds them exactly."""
+    rng = np.random.default_rng(3)
+    n = 60
+    model = StepTimeModel(t_dw=tuple(rng.uniform(0.5, 1.5, n)), t_dy=tuple(rng.uniform(0.5, 1.5, n)), t_fixed=1.0)
+    importance = list(rng.uniform(0.1, 1.0, n))
+    importance[7] = -5.0  # the unit of tensors 6 and 7 is worth less than nothing
+    units = Units(tuple((2 * k, 2 * k + 1) for k in range(n // 2)))
+    free = [False] * n
+    for target in (model.full, model.full * 1.5):
+        decision = decide(model, importance, target, required=free, forbidden=free, resolution=50, units=units)
+        assert decision.mask.flags == tuple(k not in (6, 7) for k in range(n))
+        assert decision.predicted_seconds <= target and not decision.starved
