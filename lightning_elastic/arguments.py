@@ -64,7 +64,7 @@ def constructor_problems(
     calibrate: object,
     log_images: object,
     clock: object,
-    units: object = "layer",
+    units: object,
 ) -> list[str]:
     """What is wrong with each argument of `ElasticTensorSelection` (see its docstring), one message each; [] if none.
 
@@ -72,7 +72,7 @@ def constructor_problems(
         >>> constructor_problems(
         ...     speedup=2.0, interval=0, interval_unit="epoch", probe_steps="auto", time_model="measured",
         ...     train_always=(), train_never=(), bn_policy="update", resolution=1000, cache_dir=None, profile=None,
-        ...     calibrate=True, log_images=True, clock=float,
+        ...     calibrate=True, log_images=True, clock=float, units="layer",
         ... )
         ['`interval` must be a positive int. Found: 0']
     """
@@ -126,7 +126,7 @@ class Settings:
         >>> arguments = dict(
         ...     speedup=3, interval=2, interval_unit="epoch", probe_steps="auto", time_model="auto", train_always=[],
         ...     train_never=(), bn_policy="update", resolution=1000, cache_dir=None, profile=None, calibrate=True,
-        ...     log_images=True, clock=float,
+        ...     log_images=True, clock=float, units="layer",
         ... )
         >>> settings = Settings.checked(**arguments)
         >>> settings.speedup, settings.interval, settings.train_always
@@ -152,7 +152,7 @@ class Settings:
     calibrate: bool
     log_images: bool
     clock: Callable[[], float]
-    units: UnitKind = "layer"
+    units: UnitKind
 
     @classmethod
     def checked(cls, **arguments: Any) -> Settings:

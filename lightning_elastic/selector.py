@@ -112,19 +112,19 @@ def select(
         raise ValueError(
             f"A tensor cannot be both `required` and `forbidden`. Found: both at indices {clash.tolist()}"
         )
+    times = (dw.tolist(), dy.tolist())
     worth = pinned | ((value > 0) & ~banned)  # the best set of all, and the cheapest of the best, with no budget
-    if backward_cost(worth.tolist(), dw.tolist(), dy.tolist()) <= budget:
-        mask = tuple(bool(flag) for flag in worth)  # fits: optimal outright, where the grid could round a tensor out
-    else:
+    mask = tuple(bool(flag) for flag in worth)
+    cost = backward_cost(mask, *times)
+    if cost > budget:  # else it fits: optimal outright, where the grid could round a tensor out
         units_dw = _units_up(dw, budget, resolution)
         units_dy = _suffix_units_up(dy, budget, resolution)
         if pinned.any():
             _check_required_fit(pinned, dw, dy, units_dw, units_dy, budget, resolution)
         mask = _solve(units_dw, units_dy, value, pinned, banned, resolution)
+        cost = backward_cost(mask, *times)
     return Selection(
-        mask=mask,
-        importance=math.fsum(float(v) for v, flag in zip(value, mask, strict=True) if flag),
-        cost=backward_cost(mask, dw.tolist(), dy.tolist()),
+        mask=mask, importance=math.fsum(float(v) for v, flag in zip(value, mask, strict=True) if flag), cost=cost
     )
 
 
