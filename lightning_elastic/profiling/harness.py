@@ -51,12 +51,15 @@ PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
 # (`windows.OWN_SHARE`, which the probe windows get what is left of), else takes the analytic one. Holding the first
 # window to that share too sent Fashion-MNIST's 400-step fits at 2x to the analytic profile: it predicted their selected
 # steps 10-30% low, they trained 13% of the tensors instead of 23%, and ended 1.7 points lower on 5 paired seeds
-# (docs/results.md, 2026-11-27, 14:24). A share that shrinks, above 2x, with the room a selected step has above the
-# forward pass every step pays (about this share of a full step: backward about twice the forward; Lite0 on
-# Fashion-MNIST, the head alone 0.28-0.30 of a full step), against that room at 2x (`ProfileChoice.room`). At 3x there
-# is none to spare: on Fashion-MNIST's 400-step fit the measured profile took 3.0-5.0 s of the 7-12 s its selections had
-# above the head alone, and 3 of 8 first runs trained the head and little more (70-73%); with the analytic one (0.9-3.2
-# s) 8 of 8 reached 75.5-83.3%, the same mean within the spread (docs/results.md, 2026-11-27).
+# (docs/results.md, 2026-11-27, 14:24). Tried again on 2026-12-06 (11:53) with today's 6-step profile and 3-step
+# window (9 steps: from 360 steps at 2x): the published ELPV run (240 steps) took the analytic profile, spent 3.4% of
+# its fit instead of 6.8%, trained 22% of the tensors instead of 29% and ended 1.7 points lower on every seed of 5.
+# A share that shrinks, above 2x, with the room a selected step has above the forward pass every step pays (about this
+# share of a full step: backward about twice the forward; Lite0 on Fashion-MNIST, the head alone 0.28-0.30 of a full
+# step), against that room at 2x (`ProfileChoice.room`). At 3x there is none to spare: on Fashion-MNIST's 400-step fit
+# the measured profile took 3.0-5.0 s of the 7-12 s its selections had above the head alone, and 3 of 8 first runs
+# trained the head and little more (70-73%); with the analytic one (0.9-3.2 s) 8 of 8 reached 75.5-83.3%, the same mean
+# within the spread (docs/results.md, 2026-11-27).
 FORWARD_SHARE = 1 / 3
 
 
