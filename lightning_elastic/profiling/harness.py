@@ -53,7 +53,8 @@ PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
 # steps 10-30% low, they trained 13% of the tensors instead of 23%, and ended 1.7 points lower on 5 paired seeds
 # (docs/results.md, 2026-11-27, 14:24). Tried again on 2026-12-06 (11:53) with today's 6-step profile and 3-step
 # window (9 steps: from 360 steps at 2x): the published ELPV run (240 steps) took the analytic profile, spent 3.4% of
-# its fit instead of 6.8%, trained 22% of the tensors instead of 29% and ended 1.7 points lower on every seed of 5.
+# its fit instead of 6.8%, trained 22% of the tensors instead of 29% and ended 1.7 points lower on every seed of 5;
+# on ELPV's 150-step fit the measured profile tied the analytic one at twice the own time (11.9% against 6.2%).
 # A share that shrinks, above 2x, with the room a selected step has above the forward pass every step pays (about this
 # share of a full step: backward about twice the forward; Lite0 on Fashion-MNIST, the head alone 0.28-0.30 of a full
 # step), against that room at 2x (`ProfileChoice.room`). At 3x there is none to spare: on Fashion-MNIST's 400-step fit
