@@ -11,6 +11,7 @@ from lightning_elastic import reach as reach_module
 from lightning_elastic.errors import ElasticConfigError, SpeedupOutOfReach
 from lightning_elastic.reach import Reach, at_most, reach, reach_shortening, reachable_speedup
 from lightning_elastic.schedule import Schedule
+from lightning_elastic.summary import MET_WITHIN
 from lightning_elastic.time_model import StepTimeModel
 from lightning_elastic.windows import plan_schedule
 
@@ -125,6 +126,31 @@ def test_a_speedup_that_leaves_the_selected_steps_little_above_the_cheapest_sele
     assert read is not None and read.endswith("x leaves 5%; a longer fit leaves more.")
 
 
+def test_a_speedup_out_of_reach_by_less_than_the_summarys_tolerance_is_warned_about_not_refused() -> None:
+    """Refused at the figure itself, MiniLM at 2x ran or stopped ("at most 1.98") by timing noise. The band is
+    `MET_WITHIN` of the asked: within it a warning with this fit's figure (and a later fit's, when this one profiled),
+    beyond it the refusal as before."""
+    fit = reach(MODEL, NONE, NONE, Schedule(10, "step", 2, total_steps=40), 40, profile_seconds=14.0, full_step=7.0)
+    inside, beyond = fit.reachable / (1 - MET_WITHIN * 0.9), fit.reachable / (1 - MET_WITHIN * 1.1)
+    assert fit.refusal(inside) is None and fit.refusal(beyond) is not None
+    with pytest.raises(SpeedupOutOfReach) as refused:
+        fit.check(beyond)
+    assert refused.value.reachable == float(at_most(fit.reachable))
+    expected = (
+        f"ElasticTensorSelection: `speedup` {inside!r} is just out of this fit's reach: with the cheapest selection "
+        f"at every selected step (43% of a full step: the forward pass and what every selection trains) it reaches "
+        f"at most {at_most(fit.this_fit)}x in a fit of 40 steps with 8 probe steps at full cost{{later}}. Within the "
+        "3% of the asked that the summary counts as met, it trains instead of being refused; its selections train "
+        f"the cheapest set, and accuracy may fall toward training that set alone. At most "
+        f"{at_most(fit.leaving(reach_module.NARROW_ROOM))}x leaves them 5% of a full step above it; a longer fit "
+        "leaves more."
+    )
+    later = f" (a later fit that reads the profile from the cache: {at_most(fit.reachable)}x)"
+    assert fit.this_fit < fit.reachable and fit.check(inside) == expected.format(later=later)
+    # a fit that read its profile is that later fit: one figure
+    assert dataclasses.replace(fit, measured=False).check(inside) == expected.format(later="")
+    no_cache = dataclasses.replace(fit, cache_on=False).check(inside)
+    assert no_cache is not None and "cache; `cache_dir=False` in this fit keeps none: leave it unset: " in no_cache
 
 
 @pytest.mark.parametrize(
