@@ -174,10 +174,11 @@ class Reach:
                     if later
                     else ""
                 )
-                + f". Within the {MET_WITHIN:.0%} of the asked that the summary counts as met, it trains instead of "
-                "being refused; its selections train the cheapest set, and accuracy may fall toward training that set "
-                f"alone. At most {at_most(self.leaving(NARROW_ROOM))}x leaves them {NARROW_ROOM:.0%} of a full step "
-                "above it; a longer fit leaves more."
+                + f". The reach is within the {MET_WITHIN:.0%} of the asked that the summary counts as met, so the fit "
+                "trains instead of being refused; it lands at or below that figure, its selections train the cheapest "
+                "set, and accuracy may fall toward training that set alone. At most "
+                f"{at_most(self.leaving(NARROW_ROOM))}x leaves them {NARROW_ROOM:.0%} of a full step above it; a "
+                "longer fit leaves more."
             )
         if self.this_fit < speedup and not self.measured:
             return (
