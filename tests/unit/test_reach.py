@@ -142,8 +142,8 @@ def test_a_speedup_out_of_reach_by_less_than_the_summarys_tolerance_is_warned_ab
         f"at most {at_most(fit.this_fit)}x in a fit of 40 steps with 8 probe steps at full cost{{later}}. The reach is "
         "within the 3% of the asked that the summary counts as met, so the fit trains instead of being refused; it "
         "lands at or below that figure, its selections train the cheapest set, and accuracy may fall toward training "
-        f"that set alone. At most "
-        f"{at_most(fit.leaving(reach_module.NARROW_ROOM))}x leaves them 5% of a full step above it; a longer fit "
+        f"that set alone. At most {at_most(fit.leaving(reach_module.NARROW_ROOM))}x leaves them 5% of a full step "
+        "above it; a longer fit "
         "leaves more."
     )
     later = f" (a later fit that reads the profile from the cache: {at_most(fit.reachable)}x)"
