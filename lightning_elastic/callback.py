@@ -347,6 +347,7 @@ class ElasticTensorSelection(Callback):
         started = self._settings.clock()
         fit.pending_selection = False
         self._close_interval(trainer, fit)
+        closed = self._settings.clock()
         importance = fit.importance(trainer)
         terms = step_terms(fit, trainer, self._settings.calibrate)
         pins = (fit.required, fit.forbidden)
@@ -357,14 +358,15 @@ class ElasticTensorSelection(Callback):
         if fit.say_starved(decision):
             step, plan = fit.step_of(trainer), fit.plan
             rank_zero_warn(reporting.starved_warning(step, decision, terms, plan, fit.schedule, *pins))
-        select_seconds = self._settings.clock() - started
+        select_seconds = self._settings.clock() - closed
         fit.apply(pl_module, decision.mask)
-        apply_seconds = self._settings.clock() - started - select_seconds
+        apply_seconds = self._settings.clock() - closed - select_seconds
         record = SelectionRecord(fit.step_of(trainer), trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
         image = self.selection_map if self._settings.log_images else lambda: None  # 6. inspect
         seconds = (select_seconds, terms.optimizer, terms.loop)
         reporting.log_selection(trainer, record, fit.plan, profile, seconds, image)
+        fit.logged(self._settings.clock() - started - select_seconds - apply_seconds)  # the interval's and this one's
 
     def _close_interval(self, trainer: L.Trainer, fit: FitSession) -> None:
         """The last selection's measured steps: into its record, into the plan's correction, to the loggers."""

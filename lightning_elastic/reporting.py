@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_elastic import windows
 from lightning_elastic.distributed import SelectiveAllReduce
 from lightning_elastic.inspection import module_rows, profile_table
-from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.planner import FORECAST_STEPS, WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.reach import at_most
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
@@ -299,7 +299,7 @@ def starved_warning(
     """The warning when even the cheapest selection takes longer than the plan's step target (`FitSession.say_starved`
     says when): once `T` is measured, with what the whole fit reaches at that selection for every step left and the
     probe steps of `schedule` ahead (`WallClockPlan.reachable`), measured where the check before training had only
-    the profile."""
+    the profile; from fewer than `FORECAST_STEPS` selected steps, said to be an early figure."""
     largest = terms.model.max_speedup(required, forbidden, terms.full)
     reachable = None
     if plan.full_samples and plan.total_steps is not None:
@@ -328,6 +328,12 @@ def starved_warning(
         outcome = (
             "Later intervals can pay it back: at the cheapest selection, at the step times measured so far, this fit "
             f"reaches about {at_most(reachable)}x."
+        )
+    if reachable is not None and (n := plan.selected_samples) < FORECAST_STEPS:
+        basis = f"{n} selected step{'s' * (n != 1)}" if n else "the time model, before any selected step"
+        outcome += (
+            f" An early figure, from {basis} (a fit's first ones can run far slower than its later ones): said again "
+            f"if the cheapest selection is still over the plan once {FORECAST_STEPS} selected steps are measured."
         )
     return (
         f"ElasticTensorSelection: at step {step} the plan leaves {_per_step(decision.target_seconds)} "

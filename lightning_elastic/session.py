@@ -34,28 +34,18 @@ from lightning_elastic.freezing import (
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.importance_window import LatestImportance
 from lightning_elastic.pace import PACE_SAMPLES
-from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.planner import FORECAST_STEPS, WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
 from lightning_elastic.records import Decision, Mask, SelectionRecord
 from lightning_elastic.reporting import nonfinite_warning, unprofiled_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
+from lightning_elastic.summary import TOTALS
 from lightning_elastic.terms import mean_over_ranks, off_plan
 from lightning_elastic.timing import StepClock
 from lightning_elastic.units import Units
 from lightning_elastic.warmup import FirstWindow
-
-TOTALS = (
-    "profile_seconds",
-    "probe_seconds",
-    "probe_steps",
-    "select_seconds",
-    "apply_seconds",
-    "warmup_seconds",
-    "compiled_graphs",
-    "nonfinite_steps",
-)
 
 
 @dataclass
@@ -88,7 +78,7 @@ class FitSession:
     step_at_batch_start: int = -1
     epoch_started: int = -1  # the last epoch whose start the callback saw (a resumed fit's first gets no hook)
     shown: dict[str, float] = field(default_factory=dict)  # what the progress bar shows (`reporting.progress_metrics`)
-    warned_starved: int = 0  # 0: not warned; 1: warned before `T` was measured; 2: after (`say_starved`)
+    warned_starved: int = 0  # 0: not warned; 1: before `T` was measured; 2: after, early; 3: after (`say_starved`)
     warned_nonfinite: bool = False
     warming: bool = False  # the next step is the first with a new trainable set of a compiled module: not a sample
     steps_timed: int = 0  # optimizer steps this session measured (in this process): the first few warm up (`windows`)
@@ -268,9 +258,10 @@ class FitSession:
         return self.warmup.prior_update(measured=bool(self.plan.full_samples))
 
     def say_starved(self, decision: Decision) -> bool:
-        """Whether to warn of a `starved` selection (`reporting.starved_warning`): the first, and the first once `T`
-        is measured, whose warning says what the whole fit reaches; never again."""
-        level = 2 if self.plan.full_samples else 1
+        """Whether to warn of a `starved` selection (`reporting.starved_warning`): the first, the first once `T` is
+        measured, whose warning says what the whole fit reaches, and the first once that figure is no early one
+        (`FORECAST_STEPS`); never again."""
+        level = 1 if not self.plan.full_samples else 2 if self.plan.selected_samples < FORECAST_STEPS else 3
         if not decision.starved or self.warned_starved >= level:
             return False
         self.warned_starved = level
@@ -392,12 +383,17 @@ class FitSession:
         self.bn_frozen = apply_bn_policy(pl_module, self.settings.bn_policy, self.bn_frozen)
 
     def enter(self, record: SelectionRecord, select_seconds: float, apply_seconds: float) -> None:
-        """Keep the selection now in force, and charge its own seconds to the plan (not to the next step)."""
+        """Keep the selection now in force, and charge its own seconds to the plan (`logged` starts the next step)."""
         self.totals["select_seconds"] += select_seconds
         self.totals["apply_seconds"] += apply_seconds
         self.plan.spend_overhead(select_seconds + apply_seconds)
         self.mask = record.mask
         self.history.append(record)
+
+    def logged(self, seconds: float) -> None:
+        """Charge writing a selection to the loggers as own work, not to the next step (and the correction): now."""
+        self.totals["log_seconds"] += seconds
+        self.plan.spend_overhead(seconds)
         self.clock.restart()
 
     # ------------------------------------------------------------------ the end of the fit

@@ -17,6 +17,19 @@ import numpy as np
 from lightning_elastic.planner import WallClockPlan, unpaused
 from lightning_elastic.records import SelectionRecord
 
+# The fit's running totals that `fit_summary` reads (`FitSession.totals`, kept in checkpoints).
+TOTALS = (
+    "profile_seconds",
+    "probe_seconds",
+    "probe_steps",
+    "select_seconds",
+    "apply_seconds",
+    "log_seconds",
+    "warmup_seconds",
+    "compiled_graphs",
+    "nonfinite_steps",
+)
+
 # The asked speedup counts as met within this share (the plan's own tolerance for noise in measured steps).
 MET_WITHIN = 0.03
 # A fit more than this share above the asked speedup is said so (`FitSummary.overshoot`): the plan spends what it is
@@ -57,6 +70,7 @@ class FitSummary:
         probe_seconds: the probe windows' steps, counted whole (the process's warm-up steps among them).
         select_seconds: choosing the selections.
         apply_seconds: applying them (flags, BatchNorm, compiled graphs).
+        log_seconds: writing them to the loggers (metrics; to TensorBoard also their text and the selection map).
         warmup_seconds: the first step of every new trainable set (a recompile under torch.compile), charged to the
             fit but kept out of the step times the plan learns from.
         compiled_graphs: graphs torch.compile compiled during the fit.
@@ -97,6 +111,7 @@ class FitSummary:
     shortfall: str
     contract: bool = True
     pace: float = 1.0
+    log_seconds: float = 0.0
 
     def figures(self) -> dict[str, float]:
         """The figures as one flat dict of numbers (what `ElasticTensorSelection.summary()` returns), with
@@ -125,8 +140,14 @@ class FitSummary:
 
     @property
     def own_seconds(self) -> float:
-        """The callback's own time, probe steps counted whole: profiling, probe steps, selections."""
-        return self.profile_seconds + self.probe_seconds + self.select_seconds + self.apply_seconds
+        """The callback's own time, probe steps counted whole: profiling, probe steps, selections (choosing, applying
+        and logging them)."""
+        return self.profile_seconds + self.probe_seconds + self.selections_seconds
+
+    @property
+    def selections_seconds(self) -> float:
+        """Choosing, applying and logging the selections."""
+        return self.select_seconds + self.apply_seconds + self.log_seconds
 
     @property
     def own_excess_seconds(self) -> float:
@@ -214,8 +235,8 @@ class FitSummary:
             f"  elastic's own time {overhead:.1f} s ({share:.0%} of the fit; {excess:.0%} with a probe step counted by "
             f"what it cost beyond a selected step): profile {self.profile_seconds:.1f} s, probes "
             f"{self.probe_seconds:.1f} s ({self.probe_steps} full steps, {self.probe_excess_seconds:.1f} s beyond "
-            f"selected steps), selections {self.select_seconds + self.apply_seconds:.2f} s ({self.selections}, "
-            f"{self.replans} re-planned)",
+            f"selected steps), selections {self.selections_seconds:.2f} s ({self.selections}, "
+            f"{self.replans} re-planned; {self.log_seconds:.2f} s of it writing them to the loggers)",
             f"  trained            {percent(self.selected_fraction)} of tensors, "
             f"{percent(self.selected_elements_fraction)} of parameter elements at the last selection",
             f"  most often trained {trained}",
@@ -286,6 +307,7 @@ def fit_summary(
         probe_seconds=totals.get("probe_seconds", 0.0),
         select_seconds=totals.get("select_seconds", 0.0),
         apply_seconds=totals.get("apply_seconds", 0.0),
+        log_seconds=totals.get("log_seconds", 0.0),
         warmup_seconds=totals.get("warmup_seconds", 0.0),
         compiled_graphs=int(totals.get("compiled_graphs", 0)),
         nonfinite_steps=int(totals.get("nonfinite_steps", 0)),

@@ -36,8 +36,8 @@ def time_to_accuracy(curve: Sequence[dict[str, float]], target: float) -> float:
 
 
 def own_share(run: dict[str, Any], probes: str) -> float:
-    """An elastic run's own time (profiling, the probe steps as its summary's figure `probes` counts them, selection
-    and freezing) against the training part of the run; NaN for a run without the callback.
+    """An elastic run's own time (profiling, the probe steps as its summary's figure `probes` counts them, selection,
+    its logging and freezing) against the training part of the run; NaN for a run without the callback.
 
     Example:
         >>> run = {"elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "probe_excess_seconds": 1.0,
@@ -47,6 +47,7 @@ def own_share(run: dict[str, Any], probes: str) -> float:
     """
     elastic = run.get("elastic", {})
     own = sum(elastic.get(k, math.nan) for k in ("profile_seconds", probes, "select_seconds"))
+    own += elastic.get("log_seconds", 0.0)  # runs before it was counted apart: within their selected steps
     return (own + run.get("freeze_seconds", math.nan)) / (run["wall_seconds"] - run["validation_seconds"])
 
 

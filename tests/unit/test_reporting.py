@@ -8,7 +8,7 @@ import pytest
 
 from lightning_elastic import reporting, warmup
 from lightning_elastic.distributed import SelectiveAllReduce
-from lightning_elastic.planner import WallClockPlan
+from lightning_elastic.planner import FORECAST_STEPS, WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.reach import at_most
 from lightning_elastic.records import Decision, Mask, SelectionRecord, StepTerms
@@ -46,7 +46,7 @@ def summarise(history: list[SelectionRecord], spent: float, totals: dict[str, fl
 def test_summary_compares_the_fit_with_full_fine_tuning() -> None:
     history = [record([False, True, True], (0.5, 0.5)), record([False, False, True], (0.4, 0.6))]
     totals = {"profile_seconds": 0.0, "probe_seconds": 2.0, "probe_steps": 2, "select_seconds": 0.25, "apply_seconds": 0.05}
-    s = summarise(history, spent=5.0, totals=totals)
+    s = summarise(history, spent=5.0, totals={**totals, "log_seconds": 0.2})
     assert (s.fit_speedup, s.full_fit_seconds, s.planned_seconds, s.measured_speedup) == (2.0, 10.0, 5.0, 2.0)
     assert s.selected_fraction == pytest.approx(1 / 3) and s.selected_elements_fraction == 0.6
     assert s.most_trained == (("head.weight", 2), ("block.weight", 1)) and s.shortfall == ""
@@ -56,11 +56,12 @@ def test_summary_compares_the_fit_with_full_fine_tuning() -> None:
         "(10 steps x 1000.0 ms); 5.0 s planned"
     )
     assert lines[2] == (
-        "  elastic's own time 2.3 s (46% of the fit; 26% with a probe step counted by what it cost beyond a selected "
-        "step): profile 0.0 s, probes 2.0 s (2 full steps, 1.0 s beyond selected steps), selections 0.30 s (2, 0 re-planned)"
+        "  elastic's own time 2.5 s (50% of the fit; 30% with a probe step counted by what it cost beyond a selected "
+        "step): profile 0.0 s, probes 2.0 s (2 full steps, 1.0 s beyond selected steps), selections 0.50 s (2, 0 re-planned; "
+        "0.20 s of it writing them to the loggers)"
     )
     # the selected steps' mean is 0.5 s against a full step of 1 s: each probe step cost 0.5 s beyond one
-    assert s.probe_excess_seconds == 1.0 and s.own_excess_seconds == pytest.approx(1.3)
+    assert s.probe_excess_seconds == 1.0 and s.own_excess_seconds == pytest.approx(1.5)
     assert s.figures()["probe_excess_seconds"] == 1.0
     assert lines[4] == "  most often trained head.weight (2/2), block.weight (1/2)"
     assert len(lines) == 5  # no "why not met" line
@@ -309,7 +310,8 @@ def test_starved_warning_gives_the_target_the_cheapest_step_and_what_the_whole_f
     decision = Decision(Mask.of([False, True]), (1.0, 2.0), predicted_seconds=0.03, target_seconds=0.025, starved=True)
     terms = StepTerms(model, 0.05, 0.0, 0.025)
     none_ahead = Schedule(interval=1000, unit="step", probe_steps=2, total_steps=100)  # no window after step 12
-    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5, full_samples=2)
+    firm = dict(full_samples=2, selected_samples=FORECAST_STEPS)  # `T` and the correction measured: no early figure
+    plan = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5, **firm)
     text = starved_warning(12, decision, terms, plan, none_ahead, [False, False], [False, False])
     # the whole fit at the cheapest step from here: 100 x 50 ms of full fine-tuning in 1.5 s + 88 x 30 ms = 4.14 s
     assert text == (
@@ -331,19 +333,31 @@ def test_starved_warning_gives_the_target_the_cheapest_step_and_what_the_whole_f
     assert f"reaches about {at_most(5.0 / (1.5 + 2 * 0.05 + 86 * 0.033))}x:" in text
     # within the share the summary counts as met (3%): said so, not out of reach (3x asked; 100 full steps of 100 ms
     # in 0.73 s + 88 x 30 ms: 2.967x)
-    edge = WallClockPlan(speedup=3.0, total_steps=100, full_step=0.1, spent=0.73, full_samples=2)
+    edge = WallClockPlan(speedup=3.0, total_steps=100, full_step=0.1, spent=0.73, **firm)
     text = starved_warning(12, decision, terms, edge, none_ahead, [False, False], [False, False])
     assert text.endswith(
         "this fit reaches about 2.96x: within the 3% of the asked that the summary counts as met, with nothing to "
         "spare."
     ), text
     # a fit that has time in hand: the interval's overspend is paid back later
-    ahead = WallClockPlan(speedup=1.5, total_steps=100, full_step=0.05, spent=0.2, full_samples=2)
+    ahead = WallClockPlan(speedup=1.5, total_steps=100, full_step=0.05, spent=0.2, **firm)
     text = starved_warning(12, decision, terms, ahead, none_ahead, [False, False], [False, False])
     assert text.endswith(
         "Later intervals can pay it back: at the cheapest selection, at the step times measured so far, this fit "
         f"reaches about {at_most(5.0 / 2.84)}x."
     )
+    # a figure from fewer selected steps than FORECAST_STEPS is said to be an early one, the same figure
+    firm_text = starved_warning(12, decision, terms, plan, two_ahead, [False] * 2, [False] * 2)
+    early = starved_warning(12, decision, terms, replace(plan, selected_samples=4), two_ahead, [False] * 2, [False] * 2)
+    assert early == firm_text.replace(
+        "(ask at most that, or fit longer).",
+        "(ask at most that, or fit longer). An early figure, from 4 selected steps (a fit's first ones can run far "
+        "slower than its later ones): said again if the cheapest selection is still over the plan once 16 selected "
+        "steps are measured.",
+    )
+    unlearnt = replace(plan, selected_samples=0)
+    model_only = starved_warning(12, decision, terms, unlearnt, two_ahead, [False] * 2, [False] * 2)
+    assert "An early figure, from the time model, before any selected step (a fit's" in model_only
     # `T` not measured yet (the profile's): no figure, it comes with a later warning
     unmeasured = WallClockPlan(speedup=2.0, total_steps=100, full_step=0.05, spent=1.5)
     text = starved_warning(12, decision, terms, unmeasured, none_ahead, [False, False], [False, False])
