@@ -97,7 +97,7 @@ class ElasticTensorSelection(Callback):
         calibrate: plan the wall clock from measured step times (the contract). False gives every selected step
             `1 / speedup` of the profile's full step, with no feedback: decisions then depend on importance only,
             the same in every run (for comparing runs), and the whole-fit speedup is not kept.
-        log_images: write the selection map to TensorBoard loggers.
+        log_images: write the selection map to TensorBoard loggers, at each selection but a re-plan and at the end.
         clock: seconds of a monotonic clock for CPU timing (CUDA steps are timed with events); injectable for tests.
 
     Example:
@@ -363,7 +363,7 @@ class ElasticTensorSelection(Callback):
         apply_seconds = self._settings.clock() - closed - select_seconds
         record = SelectionRecord(fit.step_of(trainer), trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
-        image = self.selection_map if self._settings.log_images else lambda: None  # 6. inspect
+        image = self.selection_map if self._settings.log_images and not replanned else lambda: None  # 6. inspect
         seconds = (select_seconds, terms.optimizer, terms.loop)
         reporting.log_selection(trainer, record, fit.plan, profile, seconds, image)
         fit.logged(self._settings.clock() - started - select_seconds - apply_seconds)  # the interval's and this one's
@@ -380,6 +380,8 @@ class ElasticTensorSelection(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._fit is not None:
             self._close_interval(trainer, self._fit)
+            if self._settings.log_images and self._fit.history and self._fit.history[-1].replanned:
+                reporting.write_map(trainer, self.selection_map(), trainer.global_step)  # with the last re-plans
             rank_zero_info(f"ElasticTensorSelection, the fit against training every tensor:\n{self.report().table()}")
 
     @override

@@ -214,6 +214,12 @@ def write_selection(writer: Any, record: SelectionRecord, names: Sequence[str], 
     writer.add_text("elastic/selection", selection_text(record, names), step)
 
 
+def write_map(trainer: L.Trainer, image: np.ndarray | None, step: int) -> None:
+    """The selection map alone to every TensorBoard writer (as the fit ends, when its last selections drew none)."""
+    for writer in tensorboard_writers(trainer) if image is not None else ():
+        writer.add_image("elastic/selection", image, step, dataformats="HWC")
+
+
 def log_selection(
     trainer: L.Trainer,
     record: SelectionRecord,

@@ -146,6 +146,34 @@ def test_a_selection_off_the_plan_is_replanned_within_its_interval(monkeypatch: 
             assert len(record.measured_seconds) == planner.REPLAN_AFTER
 
 
+def test_a_replan_draws_no_selection_map_and_a_fit_that_ends_in_one_draws_the_whole_map(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Drawing and encoding the selection map took about 150 ms for 150 tensors, and every selection drew one: a
+    re-plan (4 steps into a selection, the fit above) writes its metrics and text but no map (its column is in the
+    next selection's), and a fit whose last selections were re-plans writes the whole map as it ends."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setattr(warmup, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(warmup, "COLD_STEPS", 0)
+    device, steps = VirtualDevice(1.0, slow=(4, 1.5)), 160
+    settings: dict[str, Any] = dict(speedup=1.3, interval=80, interval_unit="step", probe_steps=4)
+    callback = ElasticTensorSelection(profile=PROFILE, clock=device.clock, **settings)
+    board = TensorBoardLogger(tmp_path)
+    torch.manual_seed(0)
+    tiny_trainer(callbacks=[device, callback], max_steps=steps, max_epochs=-1, logger=board).fit(TinyNet(), tiny_data())
+    history = callback.history
+    assert any(r.replanned for r in history) and history[-1].replanned and not history[0].replanned
+    events = EventAccumulator(str(board.log_dir), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    images = events.Images("elastic/selection")
+    assert [i.step for i in images] == [r.step for r in history if not r.replanned] + [steps]
+    assert len(events.Tensors("elastic/selection/text_summary")) == len(history)  # every selection in words
+    whole = callback.selection_map()
+    assert whole is not None and (images[-1].height, images[-1].width) == whole.shape[:2]
+
+
 @pytest.mark.parametrize("slow", [1.6, 0.7])
 def test_a_window_run_at_another_pace_than_the_fit_is_read_from_the_forward_passes(
     monkeypatch: pytest.MonkeyPatch, slow: float
