@@ -97,7 +97,8 @@ class ElasticTensorSelection(Callback):
         calibrate: plan the wall clock from measured step times (the contract). False gives every selected step
             `1 / speedup` of the profile's full step, with no feedback: decisions then depend on importance only,
             the same in every run (for comparing runs), and the whole-fit speedup is not kept.
-        log_images: write the selection map to TensorBoard loggers, at each selection but a re-plan and at the end.
+        log_images: write the selection map to TensorBoard loggers: at selections, within 0.5% of the training time
+            so far (a long fit's every selection, a short fit's few), and at the end.
         clock: seconds of a monotonic clock for CPU timing (CUDA steps are timed with events); injectable for tests.
 
     Example:
@@ -363,9 +364,8 @@ class ElasticTensorSelection(Callback):
         apply_seconds = self._settings.clock() - closed - select_seconds
         record = SelectionRecord(fit.step_of(trainer), trainer.current_epoch, decision, terms.full, replanned=replanned)
         fit.enter(record, select_seconds, apply_seconds)
-        image = self.selection_map if self._settings.log_images and not replanned else lambda: None  # 6. inspect
-        seconds = (select_seconds, terms.optimizer, terms.loop)
-        reporting.log_selection(trainer, record, fit.plan, profile, seconds, image)
+        reporting.log_selection(trainer, record, fit.plan, profile, (select_seconds, terms.optimizer, terms.loop))
+        self._write_map(trainer, fit, due=fit.maps.due(fit.plan.spent))  # 6. inspect: the map, within its share
         fit.logged(self._settings.clock() - started - select_seconds - apply_seconds)  # the interval's and this one's
 
     def _close_interval(self, trainer: L.Trainer, fit: FitSession) -> None:
@@ -374,14 +374,19 @@ class ElasticTensorSelection(Callback):
             metrics = reporting.interval_metrics(record, fit.plan, fit.allreduce)
             reporting.log_metrics(trainer, metrics, step=trainer.global_step - 1)  # before the next selection
 
+    def _write_map(self, trainer: L.Trainer, fit: FitSession, due: bool) -> None:
+        """The selection map to every TensorBoard writer when `due` and asked for, timed (`inspection.MapPace`)."""
+        started = self._settings.clock()
+        if due and self._settings.log_images and reporting.write_map(trainer, self.selection_map, trainer.global_step):
+            fit.maps.drew(self._settings.clock() - started, len(fit.history))
+
     # ------------------------------------------------------------------ 6. inspect: the fit's summary
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._fit is not None:
             self._close_interval(trainer, self._fit)
-            if self._settings.log_images and self._fit.history and self._fit.history[-1].replanned:
-                reporting.write_map(trainer, self.selection_map(), trainer.global_step)  # with the last re-plans
+            self._write_map(trainer, self._fit, due=self._fit.maps.stale(len(self._fit.history)))  # the whole map
             rank_zero_info(f"ElasticTensorSelection, the fit against training every tensor:\n{self.report().table()}")
 
     @override

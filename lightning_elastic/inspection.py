@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -56,6 +57,45 @@ MAX_COLUMNS = 120  # beyond this many selections, evenly spaced ones are shown
 ROW = 14  # pixels of a row: one line of the default font
 _INK, _PAPER, _RULE = (20, 20, 20), (255, 255, 255), (150, 150, 150)
 Font = ImageFont.FreeTypeFont | ImageFont.ImageFont  # what `ImageFont.load_default` returns
+
+
+# The selection maps drawn during a fit take at most this share of its training time so far: drawing and encoding
+# one took 157 ms on this 2-core CPU (64 rows, Lite0's 152 tensors), and drawn at every selection, the maps were
+# 1.0% of ELPV's 150-step fit at 2x and 2.4% of a 200-step few-shot fit at 3x (2026-12-06, docs/results.md).
+MAP_SHARE = 0.005
+MAP_SECONDS = 0.15  # what a map is taken to cost until this fit has timed one (about what 64 rows take on a CPU)
+
+
+@dataclass
+class MapPace:
+    """When the selection map is drawn during a fit: at a selection when the maps drawn so far and the next one,
+    at what the last one cost, stay within `MAP_SHARE` of the fit's training time so far (a long fit's every
+    selection, a short fit's few), and as the fit ends when selections came after the last map (`stale`).
+
+    Example:
+        >>> pace = MapPace()
+        >>> pace.due(spent=20.0), pace.due(spent=31.0)  # 0.15 s is 0.5% of 30 s
+        (False, True)
+        >>> pace.drew(seconds=0.1, selections=3)
+        >>> pace.due(spent=35.0), pace.due(spent=45.0), pace.stale(3), pace.stale(4)
+        (False, True, False, True)
+    """
+
+    seconds: float = 0.0  # what the maps drawn so far took
+    cost: float = MAP_SECONDS  # what the next is taken to cost: the last one's time
+    shown: int = 0  # the selections the last map showed
+
+    def due(self, spent: float) -> bool:
+        """Whether a map drawn now keeps the maps within their share of `spent` seconds of training."""
+        return self.seconds + self.cost <= MAP_SHARE * spent
+
+    def drew(self, seconds: float, selections: int) -> None:
+        """A map of `selections` selections was drawn and written in `seconds`."""
+        self.seconds, self.cost, self.shown = self.seconds + seconds, seconds, selections
+
+    def stale(self, selections: int) -> bool:
+        """Whether the last map left out some of `selections`."""
+        return selections > self.shown
 
 
 def selection_states(

@@ -204,20 +204,22 @@ def selection_metrics(
     }
 
 
-def write_selection(writer: Any, record: SelectionRecord, names: Sequence[str], step: int, image: Any) -> None:
-    """A new selection to a TensorBoard writer: the importance, the top tensors, the selection map, the text."""
+def write_selection(writer: Any, record: SelectionRecord, names: Sequence[str], step: int) -> None:
+    """A new selection to a TensorBoard writer: the importance, the top tensors, the text."""
     writer.add_histogram("elastic/importance", torch.tensor(record.decision.importance), step)
     for tag, value in top_importance(record, names).items():
         writer.add_scalar(tag, value, step)
-    if image is not None:
-        writer.add_image("elastic/selection", image, step, dataformats="HWC")
     writer.add_text("elastic/selection", selection_text(record, names), step)
 
 
-def write_map(trainer: L.Trainer, image: np.ndarray | None, step: int) -> None:
-    """The selection map alone to every TensorBoard writer (as the fit ends, when its last selections drew none)."""
-    for writer in tensorboard_writers(trainer) if image is not None else ():
-        writer.add_image("elastic/selection", image, step, dataformats="HWC")
+def write_map(trainer: L.Trainer, image: Callable[[], np.ndarray | None], step: int) -> bool:
+    """The selection map (`image`, drawn once, only when there is a TensorBoard writer) to every TensorBoard writer;
+    whether it was written."""
+    writers = tensorboard_writers(trainer)
+    drawn = image() if writers else None
+    for writer in writers if drawn is not None else ():
+        writer.add_image("elastic/selection", drawn, step, dataformats="HWC")
+    return drawn is not None
 
 
 def log_selection(
@@ -226,15 +228,13 @@ def log_selection(
     plan: WallClockPlan,
     profile: TimingProfile,
     seconds: tuple[float, float, float],
-    image: Callable[[], np.ndarray | None],
 ) -> None:
     """A selection's metrics to every logger (`seconds`: the selection's own, the optimizer step's and the loop's
-    between two steps), and its text
-    and selection map (`image`, drawn for each TensorBoard writer; None: none) to TensorBoard."""
+    between two steps), and its text to TensorBoard (the map is drawn at its own pace: `inspection.MapPace`)."""
     metrics = selection_metrics(record, plan, profile.numel, *seconds)
     log_metrics(trainer, metrics)
     for writer in tensorboard_writers(trainer):
-        write_selection(writer, record, profile.names, trainer.global_step, image())
+        write_selection(writer, record, profile.names, trainer.global_step)
 
 
 def progress_metrics(probing: bool, mask: Mask | None) -> dict[str, float]:

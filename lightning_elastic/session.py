@@ -33,6 +33,7 @@ from lightning_elastic.freezing import (
 )
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.importance_window import LatestImportance
+from lightning_elastic.inspection import MapPace
 from lightning_elastic.pace import PACE_SAMPLES
 from lightning_elastic.planner import FORECAST_STEPS, WallClockPlan
 from lightning_elastic.profiling import TimingProfile
@@ -89,6 +90,7 @@ class FitSession:
     outside: dict[str, nn.Parameter] = field(default_factory=dict)  # frozen as the fit started, not in the profile
     origin: int = 0  # the global optimizer step this fit counts its steps from (`step_of`)
     unprofiled: dict[str, nn.Parameter] = field(default_factory=dict)  # trainable, unused on the profiled batch
+    maps: MapPace = field(default_factory=MapPace)  # when the selection map is drawn (not checkpointed)
 
     @classmethod
     def start(

@@ -103,6 +103,7 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric =
                 "profile_s": elastic.get("profile_seconds", math.nan),
                 "probe_s": elastic.get("probe_seconds", math.nan),
                 "select_s": elastic.get("select_seconds", math.nan),
+                "log_s": elastic.get("log_seconds", math.nan),  # writing the selections to the loggers
                 "freeze_s": r.get("freeze_seconds", math.nan),
                 "full_step_ms": elastic.get("full_step_seconds", math.nan) * 1e3,
                 "selected_step_ms": elastic.get("selected_step_seconds", math.nan) * 1e3,
@@ -260,15 +261,17 @@ def markdown_report(
             "predicted: the time model's figure for the selections made; selected / full run: the selected step "
             "against the mean step of the full fine-tuning runs of the same seed. Overheads are seconds per run: "
             "profiling (once, before the first step), probe steps (real training steps with every tensor trained), "
-            "selection (importance reduction and the dynamic program), freezing (switching `requires_grad` and "
-            "BatchNorm modes). Own time: their sum against the training part of the run, probe steps counted whole, "
-            "and (beyond selected) each counted by what it took beyond a selected step. Changed: re-selections whose "
-            "mask differs from the one before.",
+            "selection (importance reduction and the dynamic program), loggers (writing the selections to the "
+            "loggers: metrics, text, the selection map), freezing (switching `requires_grad` and BatchNorm modes). "
+            "Own time: their sum against the training part of the run, probe steps counted whole, and (beyond "
+            "selected) each counted by what it took beyond a selected step. Changed: re-selections whose mask "
+            "differs from the one before.",
             "",
             "| method | full step (ms) | selected step (ms) | predicted (ms) | selected / full | selected / full run "
-            "| profile (s) | probe steps (s) | selection (s) | freezing (s) | own time / training | own time beyond "
-            "selected | fit speedup (callback's estimate) | selections | changed | tensors changed per re-selection |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| profile (s) | probe steps (s) | selection (s) | loggers (s) | freezing (s) | own time / training "
+            "| own time beyond selected | fit speedup (callback's estimate) | selections | changed "
+            "| tensors changed per re-selection |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, group in elastic.items():
 
@@ -279,7 +282,8 @@ def markdown_report(
                 f"| {name} | {cell(ecol('full_step_ms'), digits=0)} | {cell(ecol('selected_step_ms'), digits=0)} "
                 f"| {cell(ecol('predicted_step_ms'), digits=0)} | {cell(ecol('step_fraction'), digits=3)} "
                 f"| {cell(ecol('step_vs_full_run'), digits=3)} | {cell(ecol('profile_s'))} | {cell(ecol('probe_s'))} "
-                f"| {cell(ecol('select_s'), digits=3)} | {cell(ecol('freeze_s'), digits=3)} "
+                f"| {cell(ecol('select_s'), digits=3)} | {cell(ecol('log_s'), digits=2)} "
+                f"| {cell(ecol('freeze_s'), digits=3)} "
                 f"| {cell(ecol('overhead_share'), 100)}% | {cell(ecol('excess_share'), 100)}% "
                 f"| {cell(ecol('callback_fit_speedup'), digits=2)} "
                 f"| {cell(ecol('selections'), digits=0)} | {cell(ecol('changed_selections'))} "

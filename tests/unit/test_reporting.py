@@ -20,6 +20,7 @@ from lightning_elastic.reporting import (
     start_message,
     starved_warning,
     top_importance,
+    write_map,
     write_selection,
 )
 from lightning_elastic.schedule import Schedule
@@ -376,19 +377,12 @@ class Writer:
         return lambda tag, *args, **kwargs: self.calls.append((method, tag))
 
 
-def test_a_selection_goes_to_tensorboard_as_histogram_top_tensors_map_and_text() -> None:
+def test_a_selection_goes_to_tensorboard_as_histogram_top_tensors_and_text() -> None:
     rec = record([False, True, True], ())
-    with_image, without = Writer(), Writer()
-    write_selection(with_image, rec, NAMES, 4, image=object())
-    write_selection(without, rec, NAMES, 4, image=None)
+    writer = Writer()
+    write_selection(writer, rec, NAMES, 4)
     tops = [("add_scalar", f"elastic/importance/{n}") for n in ("block.weight", "head.weight", "stem.weight")]
-    assert with_image.calls == [
-        ("add_histogram", "elastic/importance"),
-        *tops,
-        ("add_image", "elastic/selection"),
-        ("add_text", "elastic/selection"),
-    ]
-    assert without.calls == [c for c in with_image.calls if c[0] != "add_image"]
+    assert writer.calls == [("add_histogram", "elastic/importance"), *tops, ("add_text", "elastic/selection")]
 
 
 class Metrics:
@@ -399,7 +393,7 @@ class Metrics:
         self.logged.append((step, metrics))
 
 
-def test_a_selection_is_logged_to_every_logger_and_drawn_for_each_tensorboard_writer(
+def test_a_selection_is_logged_to_every_logger_and_its_map_drawn_once_for_every_tensorboard_writer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rec = record([False, True, True], ())
@@ -407,16 +401,18 @@ def test_a_selection_is_logged_to_every_logger_and_drawn_for_each_tensorboard_wr
     writers, loggers = [Writer(), Writer()], [Metrics(), Metrics()]
     monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: writers)
     trainer = SimpleNamespace(loggers=loggers, global_step=4)
-    drawn: list[int] = []
-    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01, 0.0), lambda: drawn.append(1) or object())  # type: ignore[arg-type]
+    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01, 0.0))  # type: ignore[arg-type]
     expected = selection_metrics(rec, plan, NUMEL, select_seconds=0.002, optimizer_seconds=0.01)
     finite = {k: v for k, v in expected.items() if math.isfinite(v)}  # what every logger is given
     assert all(logger.logged == [(4, finite)] for logger in loggers)
-    assert drawn == [1, 1] and all(("add_image", "elastic/selection") in w.calls for w in writers)
-    without = Writer()
-    monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: [without])
-    log_selection(trainer, rec, plan, PROFILE, (0.002, 0.01, 0.0), lambda: None)  # type: ignore[arg-type]
-    assert ("add_text", "elastic/selection") in without.calls and not any(c[0] == "add_image" for c in without.calls)
+    assert all(("add_text", "elastic/selection") in w.calls and ("add_image", "elastic/selection") not in w.calls
+               for w in writers)
+    drawn: list[int] = []
+    assert write_map(trainer, lambda: drawn.append(1) or object(), 4)  # type: ignore[arg-type]
+    assert drawn == [1] and all(w.calls[-1] == ("add_image", "elastic/selection") for w in writers)
+    assert not write_map(trainer, lambda: None, 4)  # type: ignore[arg-type]  # no selection yet: nothing written
+    monkeypatch.setattr(reporting, "tensorboard_writers", lambda trainer: [])
+    assert not write_map(trainer, lambda: drawn.append(1) or object(), 4) and drawn == [1]  # type: ignore[arg-type]
 
 
 def test_the_table_of_a_fit_with_no_step_says_so_not_nan() -> None:
