@@ -35,7 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_elastic import reporting, resume
+from lightning_elastic import messages, reporting, resume
 from lightning_elastic.arguments import PositiveInt, Settings, Speedup
 from lightning_elastic.begin import begin_fit
 from lightning_elastic.freezing import BnPolicy, UserState, freeze_never
@@ -358,7 +358,7 @@ class ElasticTensorSelection(Callback):
         )
         if fit.say_starved(decision):
             step, plan = fit.step_of(trainer), fit.plan
-            rank_zero_warn(reporting.starved_warning(step, decision, terms, plan, fit.schedule, *pins))
+            rank_zero_warn(messages.starved_warning(step, decision, terms, plan, fit.schedule, *pins))
         select_seconds = self._settings.clock() - closed
         fit.apply(pl_module, decision.mask)
         apply_seconds = self._settings.clock() - closed - select_seconds

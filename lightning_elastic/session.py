@@ -34,12 +34,12 @@ from lightning_elastic.freezing import (
 from lightning_elastic.importance import ImportanceEvaluator
 from lightning_elastic.importance_window import LatestImportance
 from lightning_elastic.inspection import MapPace
+from lightning_elastic.messages import nonfinite_warning, unprofiled_warning
 from lightning_elastic.pace import PACE_SAMPLES
 from lightning_elastic.planner import FORECAST_STEPS, WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.profiling.cache import remember_step, resolve_cache_dir
 from lightning_elastic.records import Decision, Mask, SelectionRecord
-from lightning_elastic.reporting import nonfinite_warning, unprofiled_warning
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.summary import TOTALS
@@ -260,7 +260,7 @@ class FitSession:
         return self.warmup.prior_update(measured=bool(self.plan.full_samples))
 
     def say_starved(self, decision: Decision) -> bool:
-        """Whether to warn of a `starved` selection (`reporting.starved_warning`): the first, the first once `T` is
+        """Whether to warn of a `starved` selection (`messages.starved_warning`): the first, the first once `T` is
         measured, whose warning says what the whole fit reaches, and the first once that figure is no early one
         (`FORECAST_STEPS`); never again."""
         level = 1 if not self.plan.full_samples else 2 if self.plan.selected_samples < FORECAST_STEPS else 3

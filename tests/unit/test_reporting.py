@@ -8,6 +8,7 @@ import pytest
 
 from lightning_elastic import reporting, warmup
 from lightning_elastic.distributed import SelectiveAllReduce
+from lightning_elastic.messages import start_message, starved_warning
 from lightning_elastic.planner import FORECAST_STEPS, WallClockPlan
 from lightning_elastic.profiling import TimingProfile
 from lightning_elastic.reach import at_most
@@ -17,8 +18,6 @@ from lightning_elastic.reporting import (
     log_selection,
     progress_metrics,
     selection_metrics,
-    start_message,
-    starved_warning,
     top_importance,
     write_map,
     write_selection,
