@@ -83,6 +83,12 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric =
                 "excess_share": own_share(r, "probe_excess_seconds"),
                 "train_s": r["wall_seconds"] - r["validation_seconds"],
                 "validation_s": r["validation_seconds"],
+                # The same validation work as full's: its time against theirs witnesses the host's speed in this run.
+                "validation_vs_full": (
+                    r["validation_seconds"] / reference["validation_seconds"]
+                    if reference and reference["validation_seconds"] > 0
+                    else math.nan
+                ),
                 "steps": r["steps"],
                 "mean_step_ms": r["mean_step_seconds"] * 1e3,
                 "best_acc": r["best_accuracy"],
@@ -143,6 +149,7 @@ def full_references(runs: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]
             "best_accuracy": group[0]["best_accuracy"],
             "wall_seconds": statistics.fmean(r["wall_seconds"] for r in group),
             "train_seconds": statistics.fmean(r["wall_seconds"] - r["validation_seconds"] for r in group),
+            "validation_seconds": statistics.fmean(r["validation_seconds"] for r in group),
             "mean_step_seconds": statistics.fmean(r["mean_step_seconds"] for r in group),
         }
         for seed, group in grouped.items()
@@ -348,11 +355,21 @@ def contract(grouped: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def contract_line(name: str, group: Sequence[dict[str, Any]]) -> str:
-    """One elastic method's training speedup against full fine-tuning, and whether it keeps 0.95 x what it asked."""
+    """One elastic method's training speedup against full fine-tuning, and whether it keeps 0.95 x what it asked;
+    beside it, the same scaled by the host's speed in each run against its full run's, as their validation passes
+    (the same work) witness it: a host that slowed between two runs moved one seed's figure by 30% (2026-12-06)."""
     got = [float(r["train_speedup_vs_full"]) for r in group]
     asked = float(group[0]["asked_speedup"])
     kept = mean_spread(got)[0] >= 0.95 * asked
-    return f"- {name}: asked {asked:g}x, got {cell(got, digits=2)}x: {'met' if kept else '**missed**'}"
+    line = f"- {name}: asked {asked:g}x, got {cell(got, digits=2)}x: {'met' if kept else '**missed**'}"
+    host = [float(r.get("validation_vs_full", math.nan)) for r in group]
+    if not all(math.isfinite(h) for h in host):
+        return line
+    scaled = [g * h for g, h in zip(got, host, strict=True)]
+    return (
+        f"{line}; scaled by the host's speed (each run's validation time against its full run's, the same work: "
+        f"{', '.join(f'{h:.2f}' for h in host)}) {cell(scaled, digits=2)}x"
+    )
 
 
 def drift_lines(grouped: dict[str, list[dict[str, Any]]]) -> list[str]:

@@ -36,7 +36,7 @@ CODE = CodeProvenance(Path("/src/lightning_elastic"), "a" * 40, dirty=False)
 PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
 CSV_COLUMNS = [
     "method", "seed", "metric", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
-    "overhead_share", "excess_share", "train_s", "validation_s", "steps", "mean_step_ms", "best_acc",
+    "overhead_share", "excess_share", "train_s", "validation_s", "validation_vs_full", "steps", "mean_step_ms", "best_acc",
     "final_acc", "test_acc", "val_images", "test_images", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
     "total_tensors", "offline_s", "profile_s", "probe_s", "select_s", "log_s", "freeze_s", "full_step_ms", "selected_step_ms",
     "step_fraction", "step_vs_full_run", "predicted_step_ms", "selections", "changed_selections", "mean_tensors_changed",
@@ -154,6 +154,27 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     unmeasured = [dict(r, step_fraction=math.nan) if r["method"] == "elastic_2x" else r for r in rows]
     report = markdown_report(cfg, unmeasured, 60.0, CODE)
     assert "same run: not checked (no run measured a steady full step) (against the full fine-tuning run's" in report
+
+
+def test_the_contract_is_shown_also_scaled_by_the_host_speed_that_validation_witnesses(tmp_path: Path) -> None:
+    # seed 0's elastic run validated in 1.5 s where its full run took 1 s (a slower host): 100 s / 75 s of training,
+    # 1.33x, is 2x at the full run's speed; seed 1's host did not move (1 s each): 80 s / 40 s, 2x either way
+    runs = [
+        _run("full", "full", 0, 101.0, [0.5, 0.9]),
+        _run("elastic_2x", "elastic", 0, 76.5, [0.6, 0.89], **{**ELASTIC, "validation_seconds": 1.5}),
+        _run("full", "full", 1, 81.0, [0.7, 0.7]),
+        _run("elastic_2x", "elastic", 1, 41.0, [0.6, 0.7], **ELASTIC),
+    ]
+    rows = table_rows(runs, 0.99)
+    assert [r["validation_vs_full"] for r in rows] == [1.0, 1.5, 1.0, 1.0]
+    cfg = compose_config(["benchmark.seeds=[0,1]"], tmp_path, name="benchmark")
+    assert (
+        "- elastic_2x: asked 2x, got 1.67 ± 0.47x: **missed**; scaled by the host's speed (each run's validation time "
+        "against its full run's, the same work: 1.50, 1.00) 2.00 ± 0.00x\n"
+    ) in markdown_report(cfg, rows, 60.0, CODE)
+    # no validation in the full runs: no witness, the figure alone
+    unvalidated = [dict(r, validation_vs_full=math.nan) for r in rows]
+    assert "- elastic_2x: asked 2x, got 1.67 ± 0.47x: **missed**\n" in markdown_report(cfg, unvalidated, 60.0, CODE)
 
 
 def test_full_fine_tuning_run_again_is_the_last_run_of_each_seed_and_the_contract_is_against_both(
