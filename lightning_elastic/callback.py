@@ -210,7 +210,8 @@ class ElasticTensorSelection(Callback):
         if prof is None:
             choice.announce(pl_module, settings.speedup, cache_on=settings.cache_dir is not False)
             if first_step:
-                self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started)  # see FirstStep
+                counts = choice.method == "flops"  # its forward pass counts the analytic profile's ops (FirstStep)
+                self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started, counts)
                 return
             prof, timed = measure_profile(trainer, pl_module, choice, resolve_cache_dir(settings.cache_dir))
         fit = self._begin(trainer, pl_module, prof, settings.clock() - started, timed)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_elastic.freezing import is_compiled
 from lightning_elastic.profiling.graph import BackwardRecorder, StepBackward, StepSignature
+from lightning_elastic.profiling.passes import OpCount
 from lightning_elastic.timing import DeviceClock, StepTimer
 
 __all__ = ["FirstStep", "loss_in"]
@@ -43,12 +44,18 @@ class FirstStep:
     (docs/memory.md). The callback also needs a fit that starts afresh (a resumed one restores a selection).
     Otherwise profiling takes its own pass as training starts. `train_never` tensors are frozen before the first step
     (`freezing.freeze_never`): it does not train them, and the profile, like any profile, covers the tensors that
-    require grad. The key is that of the data set's first batch (`measure_profile`): inputs whose shapes vary from
+    require grad. With `count` (the analytic profile's), the step's forward pass also counts each op's work as it runs
+    (`passes.OpCount`, `counted`), so that the profile runs no counting pass of its own: a few percent of that
+    forward pass (Python's dispatch of each op to the counter) instead of a pass. The key is that of the data set's first batch (`measure_profile`): inputs whose shapes vary from
     batch to batch (padding to the longest sequence) take a pass of their own for it when this step's shapes differ.
     """
 
-    def __init__(self, device: torch.device, clock: Callable[[], float], setup_seconds: float = 0.0) -> None:
+    def __init__(
+        self, device: torch.device, clock: Callable[[], float], setup_seconds: float = 0.0, count: bool = False
+    ) -> None:
         self.timer = StepTimer(device, clock)
+        self.count = count  # count the forward pass's ops for the analytic profile (`counted`)
+        self.counted: OpCount | None = None
         self.setup_seconds = setup_seconds  # what the callback spent as training started, charged with profiling
         # The recorded micro-batch's backward pass, on the profiler's clock (`profile` times every other pass of the
         # profile on it: CUDA events, else `time.perf_counter`), not the callback's `clock`, injected by tests.
@@ -85,15 +92,24 @@ class FirstStep:
         """
         if self.signature is not None or self._recorder is not None:
             return
-        self.batch, self.batch_idx, self._module = batch, batch_idx, pl_module
+        self.batch, self.batch_idx, self._module, self.counted = batch, batch_idx, pl_module, None
         recorder = self._recorder = StepSignature(pl_module)
         self._own_step = vars(pl_module).get("training_step")
         step = pl_module.training_step
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        counting = OpCount(params) if self.count and params else None
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            output = step(*args, **kwargs)
+            if counting is None or recorder.complete:
+                output = step(*args, **kwargs)
+            else:
+                with counting.recorder:
+                    output = step(*args, **kwargs)
             if (loss := loss_in(output)) is not None and not recorder.complete:
                 recorder.loss(loss.grad_fn)
+                if counting is not None:
+                    counting.ended(loss)
+                    self.counted = counting
             return output
 
         pl_module.training_step = recorded  # type: ignore[method-assign]

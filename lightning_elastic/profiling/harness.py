@@ -39,14 +39,16 @@ __all__ = [
 
 
 # What a first profile costs, in full training steps, by time model (docs/time_model.md): "measured" times every
-# backward node and calibrates against plain suffix steps, "flops" counts each op's work and times one full step.
-# One of them is the fit's first step (or a pass of its own for the key). MiniLM on e-mails, a 0.6 s step: 4.2 s and
-# 1.7 s.
+# backward node and calibrates against plain suffix steps, "flops" counts each op's work in one forward pass and times
+# one full step. One of them is the fit's first step (or a pass of its own for the key). MiniLM on e-mails, a 0.6 s
+# step: 4.2 s and 1.7 s.
 PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
-# ... less what the fit's first step does for it (`FirstStep`): its pass is the fingerprint's (one step), and on CPU
-# its timed backward pass is the analytic profile's full step's backward too (one more), so that only the op-counting
-# pass and one plain forward are left (the plain full step and the second forward that bracketed it took 1.2 s of a
-# 1.9 s profile of Lite0 on ELPV, a 0.6 s step, in a benchmark process).
+# ... less what the fit's first step does for it (`FirstStep`): its pass is the fingerprint's (one step), its forward
+# pass counts the analytic profile's ops (one more: Lite0 on ELPV at 96 px, the counting pass took 0.22 s of a 0.44 s
+# profile, a 0.47 s step), and on CPU its timed backward pass is the analytic profile's full step's backward too, so
+# that one plain forward pass is left (about FORWARD_SHARE of a step: 0.17 s there). The plain full step and the
+# second forward that bracketed it took 1.2 s of a 1.9 s profile of Lite0 on ELPV, a 0.6 s step, in a benchmark
+# process.
 # `time_model="auto"` measures the profile when it costs at most the own-time share of the planned fit
 # (`windows.OWN_SHARE`, which the probe windows get what is left of), else takes the analytic one. Holding the first
 # window to that share too sent Fashion-MNIST's 400-step fits at 2x to the analytic profile: it predicted their selected
@@ -119,10 +121,25 @@ class ProfileChoice(NamedTuple):
         return min(1.0, max(0.0, (1 / speedup - FORWARD_SHARE) / (1 / 2 - FORWARD_SHARE)))
 
     @property
-    def steps(self) -> int:
+    def steps(self) -> float:
         """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less one when the fit's first
-        step is the profile's first pass, and one more when that step's backward pass is the analytic profile's."""
-        return PROFILE_STEPS[self.method] - int(self.first_step) - int(self.first_backward and self.method == "flops")
+        step is the profile's first pass; for the analytic profile one more (that step counted its ops), and a plain
+        forward pass (`FORWARD_SHARE`) left of its full step when that step's backward pass is the profile's.
+
+        Example:
+            >>> [ProfileChoice("flops", False, *first).steps for first in ((False, False), (True, False), (True, True))]
+            [3, 1, 0.3333333333333333]
+        """
+        if self.method == "measured":
+            return PROFILE_STEPS["measured"] - int(self.first_step)
+        return FORWARD_SHARE if self.first_backward else PROFILE_STEPS["flops"] - 2 * int(self.first_step)
+
+    def _cost(self) -> str:
+        """`steps` in words: "about 6 training steps", "less than one training step"."""
+        steps = self.steps
+        if steps < 1:
+            return "less than one training step"
+        return f"about {steps:g} training step{'' if steps == 1 else 's'}"
 
     def announce(self, module: nn.Module, speedup: float, cache_on: bool) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model; with
@@ -133,8 +150,8 @@ class ProfileChoice(NamedTuple):
         what = f"with the analytic time model (op counts, {timed})" if self.method == "flops" else "measured"
         why = ""
         if self.auto and self.method == "flops":
-            room, steps = self.room(speedup), self._replace(method="measured").steps
-            cost = f"; time_model='auto': a measured profile (about {steps} training steps)"
+            room, cost = self.room(speedup), self._replace(method="measured")._cost()
+            cost = f"; time_model='auto': a measured profile ({cost})"
             if room == 0.0:
                 why = f"{cost} would eat the little room a selected step has above the forward pass at {speedup:g}x"
             else:
@@ -147,8 +164,7 @@ class ProfileChoice(NamedTuple):
         instead = "; a cached profile of this model on this device is used instead when there is one"
         instead = instead if cache_on else ""
         rank_zero_info(
-            f"ElasticTensorSelection: profiling {count} tensors {when}, {what} (about {self.steps} training "
-            f"step{'' if self.steps == 1 else 's'}, "
+            f"ElasticTensorSelection: profiling {count} tensors {when}, {what} ({self._cost()}, "
             f"more on a busy machine{instead}{why})"
         )
 
@@ -164,8 +180,9 @@ def measure_profile(
 
     With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
     signature keys the cache, so profiling takes no pass of its own for it, if its inputs have the shapes of the
-    first batch (`_first_batch`, in data set order); on CPU the analytic profile then scales its op counts to that
-    step's timed backward pass (`FirstStep.backward`) and times no full step of its own. Else, as without `first`,
+    first batch (`_first_batch`, in data set order); the analytic profile then takes the ops that step's forward pass
+    counted (`FirstStep.counted`), and on CPU scales them to that step's timed backward pass (`FirstStep.backward`),
+    with no counting pass and no full step of its own. Else, as without `first`,
     on the first batch with a pass of its own for the key. The key must not depend on the shuffle: inputs whose shapes
     vary per batch (text padded to the longest in its batch) would key a shuffled batch's shapes, and the next run, or
     the check of a resume or a second fit (`stale_reason`, on the first batch), would profile again. So the key, and
@@ -174,10 +191,12 @@ def measure_profile(
     first).
     """
     batch = _first_batch(trainer)
-    signature, backward = None, None
+    signature, backward, counted = None, None, None
     if first is not None and _shapes(first.batch) == _shapes(batch):
-        batch, signature = first.batch, first.signature
+        batch, signature, counted = first.batch, first.signature, first.counted
         backward = first.backward if choice.first_backward else None
+    if first is not None:
+        first.counted = None  # its graph's nodes, once the profile is taken
     batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
     phases = PhaseLines()
     with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
@@ -189,6 +208,7 @@ def measure_profile(
             progress=phases,
             signature=signature,
             backward=backward,
+            counted=counted if choice.method == "flops" else None,
             cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
         )
     timed = phases.timed

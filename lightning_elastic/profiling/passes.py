@@ -3,6 +3,7 @@ by hooks (``"measured"``) or op counts (``"flops"``). `runner.profile` runs them
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from lightning_elastic.profiling.graph import (
 from lightning_elastic.profiling.profile import TimingMethod
 from lightning_elastic.timing import DeviceClock
 
-__all__ = ["PHASES", "Progress", "Result", "Runner"]
+__all__ = ["PHASES", "OpCount", "Progress", "Result", "Runner"]
 
 Progress = Callable[[int, int, str], None]  # phase k of n starts, doing `what`
 PHASES = 3
@@ -64,6 +65,36 @@ class Result:
     t_tail: float
     t_fw: float
     t_full: float
+
+
+class OpCount:
+    """Each op's backward work (`flops.op_costs`) counted in one forward pass with every candidate trained, and the
+    autograd graph it built: what the analytic profile scales to a timed full step. Its own pass (`Runner._run_flops`)
+    or a training step's (`first_step.FirstStep`): `recorder` is entered around the forward pass, `ended` takes its
+    loss. The graph's nodes are kept, not its activations: a training step's backward pass frees those as usual."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        ids = {id(p) for p in params}
+        mem_weight = default_mem_weight(params[0].device)
+
+        def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+            inputs = tensors_in(args) + tensors_in(kwargs)
+            params = [t for t in inputs if id(t) in ids]
+            costs = op_costs(getattr(func, "__name__", ""), args, kwargs, out, params, mem_weight)
+            return costs, [t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None]
+
+        self.recorder = OpRecorder(None, keep)  # nothing timed: the op's arguments and result are what count
+        self.record = Pass()
+
+    def ended(self, loss: Tensor) -> None:
+        """The forward pass returned `loss`: its ops and graph are the record."""
+        nodes = walk(loss.grad_fn) if loss.grad_fn is not None else []
+        self.record = Pass(
+            op_names=self.recorder.names,
+            op_kept=self.recorder.kept,
+            nodes=sorted((n for n in nodes if n.name() != ACCUMULATE_GRAD), key=lambda n: n._sequence_nr()),
+            leaf_nodes=[n for n in nodes if n.name() == ACCUMULATE_GRAD],
+        )
 
 
 class Runner:
@@ -205,16 +236,26 @@ class Runner:
 
     # -- the two methods ------------------------------------------------------------------------------
 
-    def run(self, method: TimingMethod, warmup: int, repeats: int, backward: float | None = None) -> Result:
+    def run(
+        self,
+        method: TimingMethod,
+        warmup: int,
+        repeats: int,
+        backward: float | None = None,
+        counted: OpCount | None = None,
+    ) -> Result:
         """The passes of `method`; `backward`: the seconds of the full backward pass of a training step that just ran
-        on this batch (the fit's first), which the analytic method takes instead of timing a full step."""
+        on this batch (the fit's first), which the analytic method takes instead of timing a full step; `counted`:
+        that step's forward pass, whose ops the analytic method counts instead of running a counting pass."""
         n = len(self.params)
-        passes = "one pass counting each op's work" if method == "flops" else f"{3 * repeats} instrumented passes"
+        passes = f"{3 * repeats} instrumented passes"
+        if method == "flops":
+            passes = "one pass counting each op's work" if counted is None else "the ops the step that just ran counted"
         self.progress(2, PHASES, f"{warmup} plain warm-up step(s), then {passes}" if warmup else passes)
         for _ in range(warmup):
             self.plain([True] * n)
         if method == "flops":
-            return self._run_flops(repeats, backward)
+            return self._run_flops(repeats, backward, counted)
         return self._run_measured(repeats)
 
     def _run_measured(self, repeats: int) -> Result:
@@ -241,37 +282,27 @@ class Runner:
         t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
         return Result(order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
 
-    def _run_flops(self, repeats: int, backward: float | None) -> Result:
+    def _run_flops(self, repeats: int, backward: float | None, counted: OpCount | None) -> Result:
         n = len(self.params)
-        mem_weight = default_mem_weight(self.params[0].device)
-        ids = {id(p) for p in self.params}
-
-        def keep(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
-            inputs = tensors_in(args) + tensors_in(kwargs)
-            params = [t for t in inputs if id(t) in ids]
-            costs = op_costs(getattr(func, "__name__", ""), args, kwargs, out, params, mem_weight)
-            data_fns = [t.grad_fn for t in inputs if id(t) not in ids and t.grad_fn is not None]
-            return costs, data_fns
-
-        self._set_mask([True] * n)
-        recorder = OpRecorder(self.clock, keep)
-        start = self.clock.now()
-        with recorder:
-            loss = self._loss()
-        counting = self.clock.now() - start  # a forward pass, with the counting's own work: at least a plain one
-        if not loss.requires_grad:
-            raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
-        record = Pass(op_names=recorder.names, op_kept=recorder.kept)
-        record.nodes = sorted(
-            (n for n in walk(loss.grad_fn) if n.name() != ACCUMULATE_GRAD), key=lambda n: n._sequence_nr()
-        )
-        record.leaf_nodes = [n for n in walk(loss.grad_fn) if n.name() == ACCUMULATE_GRAD]
-        structure = Structure(record, self.params)
-        raw, order = structure.flop_costs(record), structure.order
-        # The recorded graph ran no backward pass: its nodes still hold the forward's saved activations.
-        del loss, record, structure, recorder
-        if backward is not None:  # the training step's backward, and the quicker of two forwards (a disturbed one is
-            # slower), unless that backward took too many forwards to be a steady one (`FIRST_BACKWARD_MAX`)
+        counting = math.inf  # the counting pass's seconds: a forward pass, with the counting's own work
+        if counted is None:
+            self._set_mask([True] * n)
+            counted = OpCount(self.params)
+            start = self.clock.now()
+            with counted.recorder:
+                loss = self._loss()
+            counting = self.clock.now() - start
+            if not loss.requires_grad:
+                raise ValueError("`compute_loss` must return a tensor that requires grad. Found: no grad_fn")
+            counted.ended(loss)
+            del loss
+        structure = Structure(counted.record, self.params)
+        raw, order = structure.flop_costs(counted.record), structure.order
+        # A graph of its own ran no backward pass: its nodes still hold the forward's saved activations.
+        del structure, counted
+        if backward is not None:  # the training step's backward, and its plain forward (the quicker of two after a
+            # counting pass of its own: a disturbed one is slower), unless that backward took too many forwards to be
+            # a steady one (`FIRST_BACKWARD_MAX`)
             self.progress(3, PHASES, "a plain forward pass (the full step's backward is the training step's)")
             forward = min(self.plain([False] * n)[0], counting)
             if backward <= FIRST_BACKWARD_MAX * forward:

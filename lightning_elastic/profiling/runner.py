@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.cache import cache_file, cache_key, device_name, load_cached
 from lightning_elastic.profiling.graph import StepBackward
-from lightning_elastic.profiling.passes import PHASES, Progress, Runner
+from lightning_elastic.profiling.passes import PHASES, OpCount, Progress, Runner
 from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, store
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
 from lightning_elastic.timing import DeviceClock
@@ -37,6 +37,7 @@ def profile(
     progress: Progress | None = None,
     signature: Mapping[str, Any] | None = None,
     backward: StepBackward | None = None,
+    counted: OpCount | None = None,
     cached_first: Sequence[TimingMethod] = (),
 ) -> TimingProfile:
     """Measure how long each parameter tensor of ``model`` costs in a training step on its device.
@@ -75,6 +76,8 @@ def profile(
         backward: that step's backward pass (with `signature`): its seconds, which the ``"flops"`` method scales its
             op counts to, timing a plain forward pass alone and no full step of its own (`first_step.FirstStep`), and
             the parameters it computed gradients for.
+        counted: that step's forward pass, its ops counted as it ran (with `signature`): the ``"flops"`` method takes
+            them instead of a counting pass of its own.
         cached_first: methods whose cached profile of this step is taken, when there is one, before the cache of
             ``method`` is looked up or anything is timed (the callback's "auto" prefers a measured profile it
             need not pay for). A stale or corrupt entry of theirs is passed over without a word: this run does not
@@ -85,7 +88,8 @@ def profile(
 
     Raises:
         ValueError: unknown ``method``, bad ``warmup`` or ``repeats``, an empty ``cache_dir``, no parameter that
-            requires grad, or ``compute_loss`` does not return a scalar that requires grad.
+            requires grad, ``compute_loss`` does not return a scalar that requires grad, or ``backward`` or ``counted``
+            without the ``signature`` of their step.
         TypeError: ``model`` is not a module, ``compute_loss`` or ``clock`` is not callable, ``cache_dir`` is not a
             path, or ``backward`` is not a `StepBackward`.
 
@@ -119,6 +123,8 @@ def profile(
             "`backward` must be the backward pass (seconds >= 0) of the step whose `signature` is given. "
             f"Found: {backward.seconds!r} s" + ("" if signature is not None else " with no `signature`")
         )
+    if counted is not None and signature is None:
+        raise ValueError("`counted` must be the forward pass of the step whose `signature` is given. Found: none given")
     with _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
         runner.progress = progress or runner.progress
@@ -135,7 +141,7 @@ def profile(
                 return cached
         if backward is not None:  # what that step's backward pass computed is checked as the passes' is
             runner.received.update(backward.received)
-        result = runner.run(method, warmup, repeats, None if backward is None else backward.seconds)
+        result = runner.run(method, warmup, repeats, None if backward is None else backward.seconds, counted)
         if hidden := runner.hidden(result.order):
             raise ElasticConfigError(
                 "Every tensor that gets a gradient must be a node of the autograd graph of the loss `training_step` "

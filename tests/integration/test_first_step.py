@@ -22,7 +22,7 @@ from torchmetrics.classification import MulticlassAUROC
 
 from lightning_elastic import ElasticTensorSelection, warmup, windows
 from lightning_elastic.errors import ElasticConfigError
-from lightning_elastic.profiling import first_step, runner
+from lightning_elastic.profiling import TimingProfile, first_step, runner
 from lightning_elastic.profiling.first_step import FirstStep
 from lightning_elastic.profiling.passes import FIRST_BACKWARD_MAX
 from lightning_elastic.profiling.runner import Runner
@@ -142,29 +142,42 @@ def test_the_analytic_profile_takes_the_first_steps_backward_pass_as_its_full_st
 ) -> None:
     """The fit's first step is the analytic profile's timed full step too: its backward pass, timed on a clock of its
     own here (3 ms a reading: the two readings around it are 3 ms apart), and one plain forward pass with nothing
-    selected (1 ms on the profiler's clock); no full step of the profile's own. A backward pass of 7 ms, more than
-    `FIRST_BACKWARD_MAX` forwards, is a process still warming up: the profile times a full step between two plain
-    forwards, as a fit that profiles as training starts (plain SGD), which has no step of its own yet, does."""
+    selected (1 ms on the profiler's clock); no full step of the profile's own, and no op-counting pass: the step's
+    forward pass counted its ops. A backward pass of 7 ms, more than `FIRST_BACKWARD_MAX` forwards, is a process
+    still warming up: the profile times a full step between two plain forwards, as a fit that profiles as training
+    starts (plain SGD), which has no step of its own yet, does after its counting pass."""
     masks: list[list[bool]] = []
     own = Runner.plain
     monkeypatch.setattr(Runner, "plain", lambda self, mask: masks.append(list(mask)) or own(self, mask))
     ticks = itertools.count()
     monkeypatch.setattr(first_step, "DeviceClock", lambda device, clock: DeviceClock(device, lambda: next(ticks) * tick))
-    callback = elastic(False, time_model="flops")
-    tiny_trainer(callbacks=[callback], max_steps=4).fit(Counted(), tiny_data())
+    callback, module = elastic(False, time_model="flops"), Counted()
+    tiny_trainer(callbacks=[callback], max_steps=4).fit(module, tiny_data())
     prof = callback.timing_profile
     assert prof is not None and prof.method == "flops" and prof.t_fw == pytest.approx(1e-3, abs=1e-12)
     if tick * 1e3 <= FIRST_BACKWARD_MAX:
-        assert masks == [[False] * len(prof.names)]
+        assert masks == [[False] * len(prof.names)] and module.calls == 4 + 1  # the plain forward, nothing else
         assert prof.t_full - prof.t_fw == pytest.approx(tick, abs=1e-12)
     else:
         assert [all(m) for m in masks] == [False, False, True, False] and prof.t_full != prof.t_fw + tick
+        assert module.calls == 4 + len(masks)
     masks.clear()  # profiling as training starts (plain SGD): no step ran, so the profile times a full step itself
     plain = Counted()
     plain.configure_optimizers = lambda: torch.optim.SGD(plain.parameters(), lr=0.05)  # type: ignore[method-assign]
     again = elastic(False, time_model="flops")
     tiny_trainer(callbacks=[again], max_steps=4).fit(plain, tiny_data())
     assert [all(m) for m in masks] == [False, True, False]
+    assert plain.calls == 4 + 1 + 1 + len(masks)  # the steps, the fingerprint's pass, the counting pass, the timings'
+    assert again.timing_profile is not None and again.timing_profile.names == prof.names
+    assert shares(again.timing_profile) == pytest.approx(shares(prof), rel=1e-9)  # the same ops counted
+
+
+def shares(prof: TimingProfile) -> list[float]:
+    """Each tensor's terms as shares of them all: what op counts alone decide (a profile's seconds scale them). The
+    tail (work paid whatever is trained) is left out: the step's own `self.log` of its loss adds a scalar op to it,
+    which profiling's passes, muted, do not run."""
+    total = sum(prof.t_dw) + sum(prof.t_dy)
+    return [v / total for v in (*prof.t_dw, *prof.t_dy)]
 
 
 def test_the_first_step_trains_as_it_would_without_the_callback() -> None:

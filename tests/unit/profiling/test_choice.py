@@ -75,7 +75,7 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     said = [r.getMessage() for r in caplog.records]
     steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
-    assert "analytic time model (op counts, scaled to this step's backward pass) (about 1 training step," in said[0]
+    assert "analytic time model (op counts, scaled to this step's backward pass) (less than one training step," in said[0]
     assert f"time_model='auto': a measured profile (about {steps['measured'] - 1} training steps)" in said[0]
     assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
     assert f"measured (about {steps['measured']} training steps" in said[1] and "time_model='auto'" not in said[1]
@@ -86,14 +86,15 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     assert "would be more than 0.1% of this fit (5%, scaled to the room" in said[4]  # it read "more than 0%"
 
 
-def test_the_analytic_profile_costs_one_step_less_where_the_fits_first_backward_pass_is_its_full_steps() -> None:
-    """On CPU the fit's first step is the analytic profile's fingerprint and its timed backward pass: about 1 step
-    (the op-counting pass and a plain forward) of `PROFILE_STEPS`' 3; elsewhere (a GPU: `FirstStep.backward_applies`)
-    only the fingerprint, 2; profiling on its own, 3. The measured profile times its own passes in every case."""
-    assert harness.PROFILE_STEPS == {"measured": 7, "flops": 3}
+def test_the_analytic_profile_costs_a_plain_forward_pass_where_the_fits_first_step_counts_its_ops_and_times_it() -> None:
+    """On CPU the fit's first step is the analytic profile's fingerprint, its op count and its timed backward pass: a
+    plain forward pass (`FORWARD_SHARE` of a step) is left of `PROFILE_STEPS`' 3; elsewhere (a GPU:
+    `FirstStep.backward_applies`) the fingerprint and the op count, so 1 (a timed full step) is left; profiling on
+    its own, 3. The measured profile times its own passes in every case."""
+    assert harness.PROFILE_STEPS == {"measured": 7, "flops": 3} and harness.FORWARD_SHARE == 1 / 3
     cpu = ProfileChoice.of("flops", 100, 2.0, first_step=True, first_backward=True)
     gpu = ProfileChoice.of("flops", 100, 2.0, first_step=True, first_backward=False)
     alone = ProfileChoice.of("flops", 100, 2.0, first_step=False, first_backward=True)  # no step: no backward either
-    assert (cpu.steps, gpu.steps, alone.steps) == (1, 2, 3) and not alone.first_backward
+    assert (cpu.steps, gpu.steps, alone.steps) == (1 / 3, 1, 3) and not alone.first_backward
     assert ProfileChoice.of("measured", 100, 2.0, first_step=True, first_backward=True).steps == 6
     assert ProfileChoice.of("auto", 100, 2.0, first_step=True, first_backward=True) == cpu._replace(auto=True)

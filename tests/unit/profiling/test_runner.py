@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_elastic.profiling import TimingProfile, profile
 from lightning_elastic.profiling.graph import StepBackward
 from lightning_elastic.profiling.harness import PhaseLines
-from lightning_elastic.profiling.passes import Runner
+from lightning_elastic.profiling.passes import OpCount, Runner
 from tests.unit.profiling.fakes import FakeClock, FakeLayer, FakeResidual, simulated_step, small
 
 
@@ -409,6 +409,40 @@ def test_the_analytic_profile_of_a_step_that_just_ran_takes_its_backward_pass_an
     measured = profile(net, lambda: net(x).sum(), method="flops", clock=clock, signature={"step": "ran"})
     assert masks == [[False] * 4, [True] * 4, [False] * 4]
     assert measured.t_fw == 4.0 and measured.t_full == 4.0 + 4 * 3.0 + 3 * 2.0  # no input gradient below layer 0
+
+
+def test_the_analytic_profile_takes_the_ops_a_training_step_counted_and_runs_no_counting_pass() -> None:
+    """A training step that counted its forward pass's ops (`OpCount`, as the fit's first step does) spares the
+    analytic profile its counting pass: one call of the step (the plain forward) where counting runs two, and the
+    same counts, so every term keeps its share of the backward pass. Without the step's signature, refused."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    x = torch.randn(2, 3, 8, 8)
+    calls: list[int] = []
+
+    def loss_fn() -> Tensor:
+        calls.append(1)
+        return net(x).square().mean()
+
+    counted = OpCount(list(net.parameters()))
+    with counted.recorder:  # the training step: its forward pass counted, then its backward pass as usual
+        loss = net(x).square().mean()
+    counted.ended(loss)
+    loss.backward()
+    ran = StepBackward(0.0, frozenset())  # no slower than the plain forward: taken as the full step's backward
+    taken = profile(net, loss_fn, method="flops", signature={"step": "ran"}, backward=ran, counted=counted)
+    assert len(calls) == 1
+    calls.clear()
+    own = profile(net, loss_fn, method="flops", signature={"step": "ran"}, backward=ran)
+    assert len(calls) == 2
+
+    def shares(prof: TimingProfile) -> list[float]:
+        terms = (*prof.t_dw, *prof.t_dy, prof.t_tail)
+        return [v / sum(terms) for v in terms]
+
+    assert taken.names == own.names and shares(taken) == pytest.approx(shares(own), rel=1e-9)
+    with pytest.raises(ValueError, match=r"^`counted` must be the forward pass of the step whose `signature` is given"):
+        profile(net, loss_fn, method="flops", counted=counted)
 
 
 @pytest.mark.parametrize(("backward", "taken"), [(20.0, True), (20.5, False)])
