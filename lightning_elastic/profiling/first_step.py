@@ -45,9 +45,10 @@ class FirstStep:
     Otherwise profiling takes its own pass as training starts. `train_never` tensors are frozen before the first step
     (`freezing.freeze_never`): it does not train them, and the profile, like any profile, covers the tensors that
     require grad. With `count` (the analytic profile's), the step's forward pass also counts each op's work as it runs
-    (`passes.OpCount`, `counted`), so that the profile runs no counting pass of its own: a few percent of that
-    forward pass (Python's dispatch of each op to the counter) instead of a pass. The key is that of the data set's first batch (`measure_profile`): inputs whose shapes vary from
-    batch to batch (padding to the longest sequence) take a pass of their own for it when this step's shapes differ.
+    (`passes.OpCount`, `counted`), so that the profile runs no counting pass of its own: the counter's work within
+    that forward pass (each op dispatched to it in Python) instead of a pass. The key is that of the data set's first
+    batch (`measure_profile`): inputs whose shapes vary from batch to batch (padding to the longest sequence) take a
+    pass of their own for it when this step's shapes differ.
     """
 
     def __init__(
