@@ -77,8 +77,9 @@ class ElasticTensorSelection(Callback):
             fit can pay for it); or the steps of every window, each full training steps that measure every tensor's
             importance.
         time_model: "measured" (per-tensor times profiled on this device, about 7 training steps: 6 beyond the
-            fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3: 1 on CPU
-            where the fit's first step is that step), or "auto" (default): measured when it costs at most 5% of the
+            fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3: where the
+            fit's first step counts the ops, 1, and a plain forward pass on CPU, where that step's backward pass is
+            the timed one), or "auto" (default): measured when it costs at most 5% of the
             planned fit (a share that shrinks above 2x with the room a step has above its forward pass: none from 3x)
             or a measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
@@ -201,17 +202,14 @@ class ElasticTensorSelection(Callback):
             return
         started = settings.clock()
         self._user = freeze_never(pl_module, settings.train_always, settings.train_never, settings.bn_policy)  # first
-        restored = self._restored.get("profile") if self._restored else None
-        first_step = self._restored is None and FirstStep.applies(trainer, pl_module)
-        backward = FirstStep.backward_applies(pl_module)  # the analytic profile's too, if the first step is its
-        self._choice = choice = ProfileChoice.of(settings.time_model, total, settings.speedup, first_step, backward)
+        fresh, restored = self._restored is None, self._restored.get("profile") if self._restored else None
+        choice = ProfileChoice.for_fit(trainer, pl_module, settings.time_model, total, settings.speedup, fresh)
         prof = reusable_profile(trainer, pl_module, settings.profile, restored, self._profile, choice)
-        timed = False
+        self._choice, timed = choice, False
         if prof is None:
             choice.announce(pl_module, settings.speedup, cache_on=settings.cache_dir is not False)
-            if first_step:
-                counts = choice.method == "flops"  # its forward pass counts the analytic profile's ops (FirstStep)
-                self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started, counts)
+            if choice.first_step:  # see FirstStep
+                self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started, choice.counts)
                 return
             prof, timed = measure_profile(trainer, pl_module, choice, resolve_cache_dir(settings.cache_dir))
         fit = self._begin(trainer, pl_module, prof, settings.clock() - started, timed)

@@ -108,6 +108,22 @@ class ProfileChoice(NamedTuple):
         affordable = total_steps is None or measured.steps <= budget
         return measured if affordable else measured._replace(method="flops")
 
+    @classmethod
+    def for_fit(
+        cls, trainer: L.Trainer, pl_module: L.LightningModule, time_model: TimeModel, total_steps: int | None,
+        speedup: float, fresh: bool,
+    ) -> ProfileChoice:  # fmt: skip
+        """`of` for a fit starting on `trainer`: its first step is the profile's first pass where `FirstStep` applies
+        and the fit is `fresh` (a resumed one restores a selection), and on CPU that step's backward pass is the
+        analytic profile's full step's too (`FirstStep.backward_applies`)."""
+        first_step = fresh and FirstStep.applies(trainer, pl_module)
+        return cls.of(time_model, total_steps, speedup, first_step, FirstStep.backward_applies(pl_module))
+
+    @property
+    def counts(self) -> bool:
+        """Whether the fit's first step counts the profile's ops as its forward pass runs (`FirstStep.counted`)."""
+        return self.first_step and self.method == "flops"
+
     @staticmethod
     def room(speedup: float) -> float:
         """The room a selected step has above the forward pass (`1 / speedup - FORWARD_SHARE` of a full step) against
