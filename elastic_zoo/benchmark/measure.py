@@ -21,9 +21,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
+from elastic_zoo.benchmark.cells import mean_or_nan
 from elastic_zoo.benchmark.methods import Method
 from elastic_zoo.benchmark.readout import METRICS
-from elastic_zoo.benchmark.report import mean_or_nan
 from elastic_zoo.meters import EnergyMeter, RunRecorder, nvml_energy_reader, peak_memory_mb, reset_peak_memory
 from elastic_zoo.recipe import build, quiet_console, seed_everything, set_threads
 from lightning_elastic import ElasticTensorSelection, SpeedupOutOfReach

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from elastic_zoo.benchmark.cells import cell, mean_spread
 from elastic_zoo.benchmark.methods import FULL_AGAIN
 from elastic_zoo.benchmark.readout import LABELS, Metric, read_out
-from elastic_zoo.benchmark.report import cell, mean_spread
 
 LEVEL = 0.95  # two-sided confidence of every interval
 Runs = Mapping[str, Mapping[int, dict[str, Any]]]  # method name -> seed -> run record
