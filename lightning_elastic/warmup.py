@@ -22,17 +22,16 @@ if TYPE_CHECKING:  # the profiling package imports this module's readers
 # Lite0 on ELPV, steps 1-3 took 0.76-0.89 s against 0.62-0.66 s after; MiniLM on e-mails, step 1 took 1.01 s against
 # 0.62 s plain-timed, and a first selected step at step 2 1.37 s against 0.26 s for the next three.
 WARMUP_STEPS = 4
-# ... except in a process whose measured profile was timed here: its passes warmed it up, and only the fit's first
-# step (the profile's first pass) is slow. Lite0 on Fashion-MNIST at 2x, 5 seeds: steps 2-6 took 0.45-0.56 s after
-# the measured profile, against a median step of 0.46-0.50 s of the full runs (whose first step took 0.62-0.70 s).
+# ... except in a process that timed its profile here (either time model): the profiling passes after the fit's first
+# step warm it up, and only that step (the profile's first pass) is slow. Lite0 on Fashion-MNIST at 2x, 5 seeds: steps
+# 2-6 took 0.45-0.56 s after the measured profile, against a median step of 0.46-0.50 s of the full runs (whose first
+# step took 0.62-0.70 s). The analytic profile warmed up for 2 steps until 2026-12-07: after its op-counting pass and
+# plain timings step 2 took 1.07x and 1.09x the mean of steps 3-4 in two of three fresh Lite0 processes (2026-12-02).
+# Since the first step counts the ops (a plain forward pass alone after it), one step against two, side by side at 2x
+# (docs/results.md, 2026-12-07 01:13 and 01:47): ELPV's short fit, 5 paired seeds, own time 4.1% against 5.9% (lower
+# on every seed), `T` 0.99-1.06 of the full runs' step; MiniLM's 90-step fit, 4 pairs, 5.3-5.9% against 8.3-11.5%
+# but on one seed whose slow samples ran the window on (WARM_SPREAD) 11.4%; the contract and accuracy tie on both.
 PROFILED_WARMUP_STEPS = 1
-# ... and in a process whose analytic profile was timed here, this many: its op-counting pass and plain timings after
-# the fit's first step (one forward pass; until 2026-12-02 two and a full step) leave one more step slow. First runs at
-# 2x of Lite0 on ELPV (150 and 228 steps) and MiniLM on e-mails, 11 processes (2026-11-27): step 1 took 1.02-1.14x the
-# mean of steps 2-3, which took 0.88-1.11x step 4 (1.00 on the mean), the first step the 4 warm-up steps of
-# WARMUP_STEPS sampled. After the shorter profile (2026-12-02), Lite0 at 96 px in 3 fresh processes: step 2 took 1.07x
-# and 1.09x the mean of steps 3-4, 0.94x in the third (whose steps then sped up): still slow, not a sample.
-ANALYTIC_WARMUP_STEPS = 2
 # A cold process (below) that knows its warm step (`FirstWindow.warm_step`) plans this many: it tells a step still
 # warming up by 20% from a steady one by that step, and runs on past those (`cold_window_runs_on`), but not a step a
 # few percent slow. MiniLM on e-mails, 5 seeds: steps 2-5 fell 3-8% (0.52, 0.50, 0.49, 0.48 s), and with one warm-up
@@ -117,9 +116,8 @@ class FirstWindow:
         cold: the process did not time its profile (a cached, given or restored one): it may still be warming up
             after `WARMUP_STEPS`, so the window runs on while it is (`runs_on`). A warm one runs on while its
             samples lie apart (WARM_SPREAD).
-        timed: the time model of the profile this process timed (None: it timed none): the passes of a measured
-            one warm it up for all but `PROFILED_WARMUP_STEPS`, those of an analytic one for all but
-            `ANALYTIC_WARMUP_STEPS` (`warmup_steps`).
+        timed: the time model of the profile this process timed (None: it timed none): its passes warm the process
+            up for all but `PROFILED_WARMUP_STEPS` (`warmup_steps`).
         warm_step: a warm process's full step, as a fit with this profile measured it (`TimingProfile.t_step`; 0:
             not known).
         ran_on: steps the window ran on past its length.
@@ -147,17 +145,16 @@ class FirstWindow:
 
     @property
     def warmup_steps(self) -> int:
-        """The process's first steps that are charged to the fit but are no samples of its steady step time: one in a
-        process that timed a measured profile, ANALYTIC_WARMUP_STEPS in one that timed an analytic profile,
-        KNOWN_WARMUP_STEPS in a cold one that knows its `warm_step` (it leaves out the steps still warming up by it,
-        `take_samples`), else WARMUP_STEPS.
+        """The process's first steps that are charged to the fit but are no samples of its steady step time:
+        PROFILED_WARMUP_STEPS in a process that timed its profile, KNOWN_WARMUP_STEPS in a cold one that knows its
+        `warm_step` (it leaves out the steps still warming up by it, `take_samples`), else WARMUP_STEPS.
 
         Example:
             >>> [FirstWindow(timed=timed).warmup_steps for timed in ("measured", "flops", None)]
-            [1, 2, 4]
+            [1, 1, 4]
         """
         if self.timed is not None:
-            return PROFILED_WARMUP_STEPS if self.timed == "measured" else ANALYTIC_WARMUP_STEPS
+            return PROFILED_WARMUP_STEPS
         return KNOWN_WARMUP_STEPS if self.cold and self.warm_step > 0 else WARMUP_STEPS
 
     def profiled(self, timed: bool, method: TimingMethod) -> None:

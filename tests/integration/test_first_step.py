@@ -415,8 +415,8 @@ def test_first_steps_that_skip_their_backward_pass_still_leave_a_probe_window_an
 
 def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window() -> None:
     """The first 6 steps return no loss, so profiling and the first window begin at step 6, after the scheduled
-    first window (auto: 6 steps, to time 2 steady full steps after the process's warm-up; 4 once the analytic profile
-    that "auto" takes for this fit is timed, which warms the process up for all but 2 steps): the window opened there
+    first window (auto: 6 steps, to time 2 steady full steps after the process's warm-up; 3 once the analytic profile
+    that "auto" takes for this fit is timed, which warms the process up for all but its first step): the window opened there
     is that long too (before, a later window's length, all of it warm-up), and its selection waits for the epoch."""
 
     class SkipsSix(Counted):
@@ -429,11 +429,11 @@ def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window
     trainer.fit(SkipsSix(), tiny_data())
     fit = callback._fit
     assert fit is not None and fit.warmup.timed == "flops"
-    assert fit.schedule.first_steps == warmup.ANALYTIC_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS == 4
+    assert fit.schedule.first_steps == warmup.PROFILED_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS == 3
     assert [r.step for r in callback.history][:1] == [16]
-    # every step from 6 timed; 4 of them probe steps (a later window's is shorter: 1 or 2, by what the profile took of
+    # every step from 6 timed; 3 of them probe steps (a later window's is shorter: 1 or 2, by what the profile took of
     # the share on this machine's clock), the share leaving no other window
-    assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 4 and fit.schedule.probe_steps < 4
+    assert fit.steps_timed == 58 and fit.totals["probe_steps"] == 3 and fit.schedule.probe_steps < 3
 
 
 def test_a_failing_call_after_the_fit_does_not_give_back_the_fits_flags() -> None:
@@ -590,14 +590,10 @@ class SlowValidation(Counted):
         pytest.param(dict(limit_train_batches=1, max_epochs=5), id="validation at the end of its epoch"),
     ],
 )
-def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(
-    when: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_validation_after_a_skipped_first_step_is_not_charged_to_the_first_step(when: dict[str, Any]) -> None:
     """The first step's seconds are those of its own training step and of the skipped one before it (2 s of the
     module's clock), not the 100 s of a validation run between them, as no other step's are. Before: 102 s. (Only
-    the first step warms up here, so that the warm-up seconds are exactly its own: this short fit's profile is the
-    analytic one.)"""
-    monkeypatch.setattr(warmup, "ANALYTIC_WARMUP_STEPS", 1)
+    the first step warms up after a profile timed in the process, so that the warm-up seconds are exactly its own.)"""
     module = SlowValidation()
     callback = elastic(False, clock=module.clock, interval=4, interval_unit="step")
     trainer = tiny_trainer(callbacks=[callback], max_steps=4, limit_val_batches=1, **when)
@@ -661,19 +657,20 @@ def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_o
     assert again.warmup.full_steps >= warmup.KNOWN_WARMUP_STEPS  # and any steps left out of `T`
 
 
-def test_a_process_that_timed_its_analytic_profile_warms_up_for_two_steps(
+def test_a_process_that_timed_its_analytic_profile_warms_up_for_its_first_step_only_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The analytic profile's plain timings (two forward passes and a full step) warm the process up less than the
-    measured profile's passes: its first window (auto, 6 steps planned) warms up for 2 steps, times `T` on the next 2
-    and ends after 4, charging the 2 warm-up steps as such; the selection comes at once and no step runs on (with
-    samples within `WARM_SPREAD` of each other, which real 2 ms steps are not reliably)."""
+    """The analytic profile's plain forward pass after the fit's first step (that step counted its ops) leaves no
+    step but the first slow, as the measured profile's passes do: its first window (auto, 6 steps planned) warms up
+    for its first step, times `T` on the next 2 and ends after 3, charging the one warm-up step as such; the selection
+    comes at once and no step runs on (with samples within `WARM_SPREAD` of each other, which real 2 ms steps are not
+    reliably). Until 2026-12-07 it warmed up for 2 steps."""
     monkeypatch.setattr(warmup, "WARM_SPREAD", math.inf)
     timed = elastic(tmp_path, probe_steps="auto", time_model="flops", interval=2)  # selections every 16 steps
     tiny_trainer(callbacks=[timed], max_steps=64, max_epochs=8).fit(Counted(), tiny_data())
     fit = timed._fit
     assert fit is not None and fit.profile.method == "flops"
     assert fit.warmup.timed == "flops" and not fit.warmup.cold
-    assert fit.schedule.first_window_end == warmup.ANALYTIC_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS == 4
-    assert timed.history[0].step == 4 and fit.warmup.ran_on == 0
-    assert fit.warmup.full_steps == warmup.ANALYTIC_WARMUP_STEPS
+    assert fit.schedule.first_window_end == warmup.PROFILED_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS == 3
+    assert timed.history[0].step == 3 and fit.warmup.ran_on == 0
+    assert fit.warmup.full_steps == warmup.PROFILED_WARMUP_STEPS == 1
