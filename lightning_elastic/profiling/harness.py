@@ -148,7 +148,9 @@ class ProfileChoice(NamedTuple):
         """
         if self.method == "measured":
             return PROFILE_STEPS["measured"] - int(self.first_step)
-        return FORWARD_SHARE if self.first_backward else PROFILE_STEPS["flops"] - 2 * int(self.first_step)
+        if self.first_step and self.first_backward:
+            return FORWARD_SHARE
+        return PROFILE_STEPS["flops"] - 2 * int(self.first_step)
 
     def _cost(self) -> str:
         """`steps` in words: "about 6 training steps", "less than one training step"."""
