@@ -213,8 +213,6 @@ def measure_profile(
     if first is not None and _shapes(first.batch) == _shapes(batch):
         batch, signature, counted = first.batch, first.signature, first.counted
         backward = first.backward if choice.first_backward else None
-    if first is not None:
-        first.counted = None  # its graph's nodes, once the profile is taken
     batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
     phases = PhaseLines()
     with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
@@ -226,7 +224,7 @@ def measure_profile(
             progress=phases,
             signature=signature,
             backward=backward,
-            counted=counted if choice.method == "flops" else None,
+            counted=counted,  # the step counted its ops only for an analytic profile (`ProfileChoice.counts`)
             cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
         )
     timed = phases.timed
