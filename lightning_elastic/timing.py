@@ -8,13 +8,40 @@ a step never stalls the pipeline.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while profiling runs, as `timeit` holds it off while it times: a
+    collection the process owes then runs at its next allocation after the profile (in the fit, the first step's
+    update, one of the process's warm-up steps), not inside a timed pass nor in the callback's account. Such a
+    collection is the process's: a Lightning fit of Lite0 runs gen-2 collections of 0.17-0.2 s in its first steps,
+    with the callback or without, and one that fell inside profiling took 1.4 steps of few-shot ELPV's 0.12 s step
+    (docs/results.md, 2026-12-07 02:31). The collector is left as found: a process that turned it off keeps it off.
+
+    Example:
+        >>> with collector_paused():
+        ...     gc.isenabled()
+        False
+        >>> gc.isenabled()
+        True
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DeviceClock:

@@ -28,6 +28,7 @@ from lightning_elastic.profiling.first_step import FirstStep, loss_in
 from lightning_elastic.profiling.flops import tensors_in
 from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile
 from lightning_elastic.profiling.runner import profile
+from lightning_elastic.timing import collector_paused
 
 __all__ = [
     "Measured",
@@ -208,6 +209,23 @@ def measure_profile(
     passes (which warm it up) or read the cache, with the `choice`'s method (for "auto", a cached measured profile
     first).
     """
+    with collector_paused():  # a collection the process owes runs in its next step (`timing.collector_paused`)
+        measured = _measured(trainer, pl_module, choice, cache_dir, first)
+    if trainer.world_size > 1:  # the same profile on every rank, timed where every rank timed it: the first window's
+        # length follows from it (`warmup.FirstWindow.warmup_steps`), and every rank must end that window alike
+        profiled = TimingProfile.from_dict(trainer.strategy.broadcast(measured.profile.to_dict(), src=0))
+        return Measured(profiled, not any_rank(trainer.strategy, not measured.timed, pl_module.device))
+    return measured
+
+
+def _measured(
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    choice: ProfileChoice,
+    cache_dir: Path | None,
+    first: FirstStep | None,
+) -> Measured:
+    """`measure_profile` in this process alone."""
     batch = _first_batch(trainer)
     signature, backward, counted = None, None, None
     if first is not None and _shapes(first.batch) == _shapes(batch):
@@ -227,12 +245,7 @@ def measure_profile(
             counted=counted,  # the step counted its ops only for an analytic profile (`ProfileChoice.counts`)
             cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
         )
-    timed = phases.timed
-    if trainer.world_size > 1:  # the same profile on every rank, timed where every rank timed it: the first window's
-        # length follows from it (`warmup.FirstWindow.warmup_steps`), and every rank must end that window alike
-        profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
-        timed = not any_rank(trainer.strategy, not timed, pl_module.device)
-    return Measured(profiled, timed)
+    return Measured(profiled, phases.timed)
 
 
 class Measured(NamedTuple):

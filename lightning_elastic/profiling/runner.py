@@ -20,7 +20,7 @@ from lightning_elastic.profiling.graph import StepBackward
 from lightning_elastic.profiling.passes import PHASES, OpCount, Progress, Runner
 from lightning_elastic.profiling.profile import TimingMethod, TimingProfile, store
 from lightning_elastic.profiling.state import ModelState, python_rng_kept
-from lightning_elastic.timing import DeviceClock
+from lightning_elastic.timing import DeviceClock, collector_paused
 
 __all__ = ["fingerprint", "profile"]
 
@@ -45,7 +45,8 @@ def profile(
     The model is left exactly as found: ``requires_grad`` flags, ``.grad`` tensors, buffers (BatchNorm
     running statistics), train/eval modes, every other attribute of its submodules (state that ``forward``
     keeps, such as an RNN's stored hidden state) and the global RNG state (torch CPU and CUDA, Python
-    ``random``). The optimizer's update is not part of the profile.
+    ``random``). The optimizer's update is not part of the profile. Python's garbage collector is held off
+    while it runs (`timing.collector_paused`): a collection falls after it, not inside a timed pass.
 
     Args:
         model: the module whose parameters requiring grad are profiled (the others stay frozen).
@@ -125,7 +126,7 @@ def profile(
         )
     if counted is not None and signature is None:
         raise ValueError("`counted` must be the forward pass of the step whose `signature` is given. Found: none given")
-    with _kept_as_found(model, compute_loss, clock) as runner:
+    with collector_paused(), _kept_as_found(model, compute_loss, clock) as runner:
         start = runner.clock.now()
         runner.progress = progress or runner.progress
         if signature is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -631,6 +632,36 @@ def test_plain_sgd_profiles_before_the_first_step_so_that_no_gradients_are_held_
         assert held == [0] * len(held)
     else:
         assert held[0] == sum(p.nbytes for p in module.parameters())  # every tensor's gradient, for the update
+
+
+@pytest.mark.parametrize("time_model", ["measured", "flops"])
+@pytest.mark.parametrize("momentum", [None, 0.0])  # Adam: profiled in the first step; plain SGD: as training starts
+def test_the_profilers_passes_run_with_the_garbage_collector_held_off_and_the_fits_steps_with_it_on(
+    time_model: str, momentum: float | None
+) -> None:
+    """`timing.collector_paused`: a collection the process owes runs in a training step, not in the callback's
+    profile (where it was charged as the callback's own time, 2026-12-07)."""
+
+    class Collected(Counted):
+        def __init__(self) -> None:
+            super().__init__()
+            self.log_of_calls.collector = []
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            self.log_of_calls.collector.append(gc.isenabled())
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> Any:
+            if momentum is None:
+                return super().configure_optimizers()
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=momentum)
+
+    module = Collected()
+    tiny_trainer(callbacks=[elastic(False, time_model=time_model)], max_steps=4).fit(module, tiny_data())
+    on = module.log_of_calls.collector
+    assert len(on) > 4 and on.count(True) == 4  # the fit's 4 steps, and the profile's passes with it off
+    assert on[-3:] == [True] * 3 and on[0] is (momentum is None)  # the first step profiles, or training starts to
+    assert gc.isenabled()
 
 
 def test_a_process_that_timed_its_measured_profile_warms_up_for_its_first_step_only(

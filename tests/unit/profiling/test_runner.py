@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -292,6 +293,53 @@ def test_model_without_trainable_parameters_and_bad_arguments() -> None:
         profile("net", loss_fn)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`compute_loss` must be callable"):
         profile(nn.Linear(2, 2), 3)  # type: ignore[arg-type]
+
+
+def test_no_garbage_collection_runs_inside_profiling_and_the_collector_is_left_as_found() -> None:
+    """Each pass makes cyclic garbage and a collection is due every 10 allocations: none runs from the profile's
+    first pass to its last (seen by `gc.callbacks`), one runs after it, and a collector the process turned off stays
+    off, also after a pass that raises. Before: a gen-2 collection of 0.17 s fell inside a first profile (2026-12-07)."""
+    net, loss_fn = small()
+    events: list[str] = []
+
+    def cyclic_loss() -> Tensor:
+        for _ in range(100):
+            cycle: list[Any] = []
+            cycle.append(cycle)
+        events.append("pass")
+        return loss_fn()
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            events.append("collection")
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10, 10, 10)
+    gc.callbacks.append(seen)
+    try:
+        cyclic_loss()
+        assert "collection" in events  # due as the garbage grows: what a pass without the pause would run into
+        events.clear()
+        profile(net, cyclic_loss, repeats=1)
+        passes = [k for k, event in enumerate(events) if event == "pass"]
+        assert len(passes) >= 3 and "collection" not in events[passes[0] : passes[-1]]
+        cyclic_loss()
+        assert "collection" in events[passes[-1] :]  # the collector runs again after the profile
+        gc.disable()
+        profile(net, cyclic_loss, repeats=1)
+        assert not gc.isenabled()  # turned off by the process: left off
+        gc.enable()
+        with pytest.raises(RuntimeError, match="a failing pass"):
+            profile(net, _raise, repeats=1)
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*thresholds)
+        gc.enable()
+
+
+def _raise() -> Tensor:
+    raise RuntimeError("a failing pass")
 
 
 def test_each_phase_is_announced_once_and_a_cached_profile_ends_after_the_fingerprint(tmp_path: Path) -> None:
