@@ -4,6 +4,7 @@ and its backward pass, recorded as Lightning runs it; `measure_profile` (`harnes
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import lightning as L
@@ -38,10 +39,14 @@ class FirstStep:
 
     Only for one process running an eager module (`applies`: Lightning's single-device strategy): under DDP, even on
     one device, the wrapper adds its own nodes to the step's graph, and a compiled module's hooks are traced, not
-    run. And only with an optimizer that keeps state for each tensor (Adam, momentum SGD): the profiling passes run
-    while the step's gradients are held for its update, which costs no memory above a training step only when the
-    update holds at least as much; plain SGD (no momentum) keeps none, so its fits profile before the first step
-    (docs/memory.md). The callback also needs a fit that starts afresh (a resumed one restores a selection).
+    run. The step runs eager while it records (`torch.compiler.set_stance("force_eager")`), as the profile's own
+    passes do: a function compiled inside `training_step`, which `is_compiled` cannot see, compiles at the next step
+    (once, as a fit without the callback compiles it at its first), and the signature, the counted ops and the timed
+    backward pass are those of the eager step the profile times. And only with an optimizer that keeps state for
+    each tensor (Adam, momentum SGD): the profiling passes run while the step's gradients are held for its update,
+    which costs no memory above a training step only when the update holds at least as much; plain SGD (no
+    momentum) keeps none, so its fits profile before the first step (docs/memory.md). The callback also needs a fit
+    that starts afresh (a resumed one restores a selection).
     Otherwise profiling takes its own pass as training starts. `train_never` tensors are frozen before the first step
     (`freezing.freeze_never`): it does not train them, and the profile, like any profile, covers the tensors that
     require grad. With `count` (the analytic profile's), the step's forward pass also counts each op's work as it runs
@@ -101,11 +106,12 @@ class FirstStep:
         counting = OpCount(params) if self.count and params else None
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if counting is None or recorder.complete:
+            with ExitStack() as recording:
+                if not recorder.complete:  # eager, as the profile's own passes (`harness.training_step`)
+                    recording.enter_context(torch.compiler.set_stance("force_eager"))
+                    if counting is not None:
+                        recording.enter_context(counting.recorder)
                 output = step(*args, **kwargs)
-            else:
-                with counting.recorder:
-                    output = step(*args, **kwargs)
             if (loss := loss_in(output)) is not None and not recorder.complete:
                 recorder.loss(loss.grad_fn)
                 if counting is not None:

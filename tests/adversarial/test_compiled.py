@@ -259,3 +259,65 @@ def test_a_torch_internal_of_another_signature_resets_all_of_dynamo_with_one_war
     monkeypatch.setattr(reduce(getattr, owner.split(".")[1:], torch), name, changed)
     raised = r"positional argument|takes 0 positional arguments but 1 was given"
     fit_resetting_all_of_dynamo(rf"has {re.escape(internal)}, but using it raised TypeError: .*({raised}).* all of dyn")
+
+
+def middle(h: Tensor, w: Tensor) -> Tensor:
+    """The user's compiled function inside `training_step`: most of the step's work, on a parameter of the module."""
+    return torch.relu(h @ w) @ w
+
+
+class WithCompiledFunction(Quiet):
+    """A module that is not compiled, whose step calls a compiled function (`is_compiled` cannot see it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(3, 3) * 0.1)
+        self.middle = torch.compile(middle, backend="aot_eager")
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.middle(self(x), self.w), y)
+
+
+class StepGraphs(Graphs):
+    """Dynamo's count of compiled graphs as each optimizer step starts too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at_step: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.at_step.append(compiled_graphs())
+        super().on_train_batch_start(trainer, pl_module, *args)
+
+
+@pytest.mark.parametrize("time_model", ["flops", "measured"])
+@pytest.mark.usefixtures("ticking_profiler")
+def test_a_compiled_function_inside_the_step_runs_eager_in_the_first_step_that_profiling_records(
+    time_model: str,
+) -> None:
+    """The fit's first step records the profile's signature (and, for the analytic profile, counts its ops): it runs
+    eager, as the profiler's own passes do, so its graph is the eager step's and the function compiles at the next
+    step, once, as a fit without the callback compiles it at its first (and again as a selection changes whether `w`
+    trains, as in any compiled fit). Before: the analytic profile's counting
+    compiled the function one more time (its mode is part of dynamo's guards), and the signature held the compiled
+    function's `CompiledFunctionBackward` node, not the eager step's nodes the profile timed."""
+    torch._dynamo.reset()
+    graphs = StepGraphs()
+
+    def fitted(model: WithCompiledFunction, callbacks: list[Callback]) -> ElasticTensorSelection:
+        callback = ElasticTensorSelection(
+            speedup=1.001, probe_steps=2, calibrate=False, cache_dir=False, time_model=time_model
+        )  # fmt: skip
+        tiny_trainer(callbacks=[callback, *callbacks], max_steps=3).fit(model, tiny_data())
+        return callback
+
+    with torch.compiler.set_stance("force_eager"):  # the reference: the same step with compiling turned off
+        eager = fitted(WithCompiledFunction(), [])
+    callback = fitted(WithCompiledFunction(), [graphs])
+    # the first step compiled nothing, the second (in the first probe window, with the same trainable set) one graph
+    assert [n - graphs.at_fit_start for n in graphs.at_step[:3]] == [0, 0, 1]
+    assert callback.timing_profile is not None and eager.timing_profile is not None
+    assert callback.timing_profile.fingerprint == eager.timing_profile.fingerprint
+    assert callback.timing_profile.names == eager.timing_profile.names
