@@ -21,12 +21,13 @@ import torch
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while profiling runs, as `timeit` holds it off while it times: a
-    collection the process owes then runs at its next allocation after the profile (in the fit, the first step's
-    update, one of the process's warm-up steps), not inside a timed pass nor in the callback's account. Such a
-    collection is the process's: a Lightning fit of Lite0 runs gen-2 collections of 0.17-0.2 s in its first steps,
-    with the callback or without, and one that fell inside profiling took 1.4 steps of few-shot ELPV's 0.12 s step
-    (docs/results.md, 2026-12-07 02:31). The collector is left as found: a process that turned it off keeps it off.
+    """Python's cyclic garbage collector held off while profiling runs, as `timeit` holds it off while it times: no
+    collection runs inside a timed pass nor in the callback's account; one the process owes runs later, where the
+    collector's allocation count next crosses its threshold (a training step, where it is charged as the same fit
+    without the callback charges its own, or a validation). A Lightning fit of Lite0 runs gen-2 collections of
+    0.2-0.3 s after its first steps, with the callback or without: in one few-shot ELPV first run a 0.32 s collection
+    fell inside profiling, 2.5 steps of its 0.13 s step; held off, it fell in a validation step (docs/results.md,
+    2026-12-07 04:01). The collector is left as found: a process that turned it off keeps it off.
 
     Example:
         >>> with collector_paused():
