@@ -209,43 +209,32 @@ def measure_profile(
     passes (which warm it up) or read the cache, with the `choice`'s method (for "auto", a cached measured profile
     first).
     """
-    with collector_paused():  # a collection the process owes runs in its next step (`timing.collector_paused`)
-        measured = _measured(trainer, pl_module, choice, cache_dir, first)
+    with collector_paused():  # no collection inside the profile's passes nor its account (`timing.collector_paused`)
+        batch = _first_batch(trainer)
+        signature, backward, counted = None, None, None
+        if first is not None and _shapes(first.batch) == _shapes(batch):
+            batch, signature, counted = first.batch, first.signature, first.counted
+            backward = first.backward if choice.first_backward else None
+        batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
+        phases = PhaseLines()
+        with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
+            profiled = profile(
+                pl_module,
+                compute_loss,
+                method=choice.method,
+                cache_dir=cache_dir,
+                progress=phases,
+                signature=signature,
+                backward=backward,
+                counted=counted,  # the step counted its ops only for an analytic profile (`ProfileChoice.counts`)
+                cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
+            )
+    timed = phases.timed
     if trainer.world_size > 1:  # the same profile on every rank, timed where every rank timed it: the first window's
         # length follows from it (`warmup.FirstWindow.warmup_steps`), and every rank must end that window alike
-        profiled = TimingProfile.from_dict(trainer.strategy.broadcast(measured.profile.to_dict(), src=0))
-        return Measured(profiled, not any_rank(trainer.strategy, not measured.timed, pl_module.device))
-    return measured
-
-
-def _measured(
-    trainer: L.Trainer,
-    pl_module: L.LightningModule,
-    choice: ProfileChoice,
-    cache_dir: Path | None,
-    first: FirstStep | None,
-) -> Measured:
-    """`measure_profile` in this process alone."""
-    batch = _first_batch(trainer)
-    signature, backward, counted = None, None, None
-    if first is not None and _shapes(first.batch) == _shapes(batch):
-        batch, signature, counted = first.batch, first.signature, first.counted
-        backward = first.backward if choice.first_backward else None
-    batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
-    phases = PhaseLines()
-    with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
-        profiled = profile(
-            pl_module,
-            compute_loss,
-            method=choice.method,
-            cache_dir=cache_dir,
-            progress=phases,
-            signature=signature,
-            backward=backward,
-            counted=counted,  # the step counted its ops only for an analytic profile (`ProfileChoice.counts`)
-            cached_first=("measured",) if choice.auto else (),  # `profile` looks each method up once
-        )
-    return Measured(profiled, phases.timed)
+        profiled = TimingProfile.from_dict(trainer.strategy.broadcast(profiled.to_dict(), src=0))
+        timed = not any_rank(trainer.strategy, not timed, pl_module.device)
+    return Measured(profiled, timed)
 
 
 class Measured(NamedTuple):

@@ -300,9 +300,9 @@ def test_a_compiled_function_inside_the_step_runs_eager_in_the_first_step_that_p
     """The fit's first step records the profile's signature (and, for the analytic profile, counts its ops): it runs
     eager, as the profiler's own passes do, so its graph is the eager step's and the function compiles at the next
     step, once, as a fit without the callback compiles it at its first (and again as a selection changes whether `w`
-    trains, as in any compiled fit). Before: the analytic profile's counting
-    compiled the function one more time (its mode is part of dynamo's guards), and the signature held the compiled
-    function's `CompiledFunctionBackward` node, not the eager step's nodes the profile timed."""
+    trains, as in any compiled fit). Before: under the analytic profile's op count the first step compiled the
+    function 3 times (the counting mode is part of dynamo's guards), and the signature held the compiled function's
+    `CompiledFunctionBackward` node, not the eager step's nodes the profile timed."""
     torch._dynamo.reset()
     graphs = StepGraphs()
 

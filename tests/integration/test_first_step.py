@@ -639,8 +639,8 @@ def test_plain_sgd_profiles_before_the_first_step_so_that_no_gradients_are_held_
 def test_the_profilers_passes_run_with_the_garbage_collector_held_off_and_the_fits_steps_with_it_on(
     time_model: str, momentum: float | None
 ) -> None:
-    """`timing.collector_paused`: a collection the process owes runs in a training step, not in the callback's
-    profile (where it was charged as the callback's own time, 2026-12-07)."""
+    """`timing.collector_paused`: a collection the process owes runs after the callback's profile, not inside it
+    (where it was charged as the callback's own time, 2026-12-07)."""
 
     class Collected(Counted):
         def __init__(self) -> None:
