@@ -7,7 +7,7 @@ import logging
 import pytest
 from torch import nn
 
-from lightning_elastic import warmup, windows
+from lightning_elastic import windows
 from lightning_elastic.profiling import harness
 from lightning_elastic.profiling.harness import ProfileChoice
 
@@ -17,10 +17,10 @@ from lightning_elastic.profiling.harness import ProfileChoice
 def test_auto_measures_the_profile_where_it_costs_at_most_the_own_share_of_the_planned_fit(
     speedup: float, first_step: bool
 ) -> None:
-    """The measured profile's steps (one fewer when the fit's first step is its first pass) and the first window's
-    after it against `OWN_SHARE` of the planned full steps `N / s`, scaled above 2x by the room a selected step has
-    above the forward pass (`1 / s - FORWARD_SHARE`) against that room at 2x, by brute force."""
-    steps = harness.PROFILE_STEPS["measured"] - first_step + warmup.PROFILED_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS
+    """The measured profile's steps (one fewer when the fit's first step is its first pass) against `OWN_SHARE` of
+    the planned full steps `N / s`, scaled above 2x by the room a selected step has above the forward pass
+    (`1 / s - FORWARD_SHARE`) against that room at 2x, by brute force."""
+    steps = harness.PROFILE_STEPS["measured"] - first_step
     room = min(1.0, (1 / speedup - harness.FORWARD_SHARE) / (1 / 2 - harness.FORWARD_SHARE))
     shortest = next(n for n in range(1, 100_000) if steps <= windows.OWN_SHARE * room * n / speedup + 1e-9)
     of = ProfileChoice.of
@@ -43,19 +43,16 @@ def test_auto_takes_the_analytic_profile_at_3x_and_above_however_long_the_fit(sp
 
 
 def test_the_documented_boundary_holds() -> None:
-    """docs/configuration.md and how_it_works.md: at 2x a fit of 360 steps or more measures when its first step is
-    the profile's first pass (400 when profiling takes a pass of its own): 6 full steps and the first window's 3 (7 and
-    3) against 5% of `N / 2`; the published ELPV run (240 steps) and 90 steps do not."""
-    assert harness.FIRST_WINDOW == 3
-    assert ProfileChoice.of("auto", 360, 2.0, first_step=True).method == "measured"
-    assert ProfileChoice.of("auto", 359, 2.0, first_step=True).method == "flops"
-    assert ProfileChoice.of("auto", 400, 2.0).method == "measured"
-    assert ProfileChoice.of("auto", 399, 2.0).method == "flops"
-    assert ProfileChoice.of("auto", 240, 2.0, first_step=True).method == "flops"  # the published ELPV run
+    """docs/configuration.md and how_it_works.md: at 2x a fit of 240 steps or more measures when its first step is
+    the profile's first pass (280 when profiling takes a pass of its own); 90 steps do not."""
+    assert ProfileChoice.of("auto", 240, 2.0, first_step=True).method == "measured"
+    assert ProfileChoice.of("auto", 239, 2.0, first_step=True).method == "flops"
+    assert ProfileChoice.of("auto", 280, 2.0).method == "measured"
+    assert ProfileChoice.of("auto", 279, 2.0).method == "flops"
     assert ProfileChoice.of("auto", 90, 2.0, first_step=True).method == "flops"
     assert ProfileChoice.of("auto", 400, 2.0, first_step=True).method == "measured"  # Fashion-MNIST's fit at 2x
-    assert ProfileChoice.of("auto", 1125, 2.5, first_step=True).method == "measured"  # 9 <= 0.05 x 0.4 x 450
-    assert ProfileChoice.of("auto", 1124, 2.5, first_step=True).method == "flops"
+    assert ProfileChoice.of("auto", 750, 2.5, first_step=True).method == "measured"  # 6 <= 0.05 x 0.4 x 300
+    assert ProfileChoice.of("auto", 749, 2.5, first_step=True).method == "flops"
     assert ProfileChoice.of("auto", 400, 3.0, first_step=True).method == "flops"  # Fashion-MNIST's fit at 3x
 
 
@@ -80,8 +77,7 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
     assert "analytic time model (op counts, scaled to this step's backward pass) (less than one training step," in said[0]
     assert f"time_model='auto': a measured profile (about {steps['measured'] - 1} training steps)" in said[0]
-    assert "and the first probe window after it (3) would be more than 5% of this fit; time_model='measured' measures" \
-        " anyway" in said[0]
+    assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
     assert f"measured (about {steps['measured']} training steps" in said[1] and "time_model='auto'" not in said[1]
     assert "a cached profile of this model on this device is used instead" in said[0]
     assert "cached profile" not in said[1]  # `cache_dir=False`: no cache is read
