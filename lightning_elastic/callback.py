@@ -76,9 +76,9 @@ class ElasticTensorSelection(Callback):
             the planned fit, counted in whole steps (the first window long enough to time steady full steps when the
             fit can pay for it); or the steps of every window, each full training steps that measure every tensor's
             importance.
-        time_model: "measured" (per-tensor times profiled on this device, about 7 training steps: 6 beyond the
+        time_model: "measured" (per-tensor times profiled on this device, about 5 training steps: 2-4 beyond the
             fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3: where the
-            fit's first step counts the ops, 1, and a plain forward pass on CPU, where that step's backward pass is
+            fit's first step counts the ops, 2, and a plain forward pass on CPU, where that step's backward pass is
             the timed one), or "auto" (default): measured when it costs at most 5% of the
             planned fit (a share that shrinks above 2x with the room a step has above its forward pass: none from 3x)
             or a measured profile is cached, else flops.

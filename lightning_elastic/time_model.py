@@ -11,13 +11,12 @@ tensor ``i``; backward runs from the loss down to the deepest trained tensor and
 ``d`` is charged and the deepest tensor's own ``t_dy`` is not. ``t_fixed`` is what every training step pays: the
 forward pass, the backward of the loss and the ops after the last tensor (``t_tail``), and the loop around them.
 
-Everything that needs a step's cost asks this module: the profiler (calibrating against plain timings), the
+Everything that needs a step's cost asks this module: the profiler (scaling its costs to a plain full step), the
 selector (it receives these costs and never recomputes them), the callback, the planner and the baselines.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -191,13 +190,3 @@ class StepTimeModel:
         """The largest speedup any non-empty selection that includes `required` reaches."""
         return (self.full if full is None else full) / self.cheapest(required, forbidden)
 
-
-def segment_costs(t_dw: Sequence[float], t_dy: Sequence[float], knots: Sequence[int]) -> list[float]:
-    """Backward seconds between consecutive "everything from ``d``" selections, for ``d`` in ``knots`` (ascending).
-
-    Example:
-        >>> segment_costs([1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [0, 2])
-        [53.0]
-    """
-    costs = suffix_costs(t_dw, t_dy)
-    return [costs[lo] - costs[hi] for lo, hi in itertools.pairwise(knots)]

@@ -23,8 +23,8 @@ How ``profile(method="measured")`` measures, on the device the model is on:
    every input-gradient path still runs; nodes are matched between the passes by position.
 3. Forward ops are timed with a ``TorchFunctionMode`` with and without graph recording: a frozen
    prefix records no graph and is cheaper, and that saving is charged to the ``t_dy`` of the prefix.
-4. Hooks cost time, so the hook-derived model is calibrated against plain, hook-free timings of a few
-   "everything above ``d``" selections: the model is rescaled segment by segment to match them.
+4. Hooks cost time, so the hook-derived costs are scaled by one factor to a plain, hook-free full step (in a fit on
+   CPU, the fit's first step's backward pass and one plain forward), as the analytic ones are.
 
 ``method="flops"`` replaces the hooks with an analytic count of each op's backward work (see
 `lightning_elastic.profiling.flops`), scaled so that the full step matches one plain measured step (in a fit on CPU,
@@ -33,10 +33,10 @@ the fit's first step's backward pass and one plain forward).
 Modules: `profile` (the `TimingProfile` type and its one JSON reader/writer), `cache` (the per-user cache: where, its
 key, its entries), `runner` (`profile` itself: its arguments, the model left as found), `passes` (the passes of one
 profile and the two methods that combine them), `graph` (recording and walking the autograd graph), `attribution` (node
-times to tensors, aligning graphs that differ), `calibration` (against plain timings), `flops` (analytic op costs),
-`state` (what profiling must leave as it found), `harness` (the first training batch to the loss, as Lightning's own
-step computes it), `first_step` (the fit's first step recorded as the profile's first pass), `reuse` (which profile a
-fit can use without measuring).
+times to tensors, aligning graphs that differ), `calibration` (the plain timings a profile is scaled to), `flops`
+(analytic op costs), `state` (what profiling must leave as it found), `harness` (the first training batch to the
+loss, as Lightning's own step computes it), `first_step` (the fit's first step recorded as the profile's first pass),
+`reuse` (which profile a fit can use without measuring).
 """
 
 from lightning_elastic.profiling.profile import TimeModel, TimingMethod, TimingProfile

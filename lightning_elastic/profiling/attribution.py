@@ -33,13 +33,6 @@ class RawCosts:
     dw: list[float]
     by_level: list[float]
 
-    def total(self) -> float:
-        return sum(self.dw) + sum(self.by_level[1:])
-
-    def scale(self, factor: float) -> None:
-        self.dw = [v * factor for v in self.dw]
-        self.by_level = [v * factor for v in self.by_level]
-
     def model(self) -> tuple[list[float], list[float], float]:
         """``(t_dw, t_dy, t_tail)``: the cost paid iff ``d <= l`` becomes ``t_dy[l + 1]``."""
         n = len(self.dw)

@@ -43,6 +43,12 @@ def device_name(device: torch.device) -> str:
     return str(device)
 
 
+# The pass plan each method measures its profile with: a plan of its own keys its own entries, so that a profile taken
+# the earlier way is measured again, once. "measured" 2: its hook times scaled to one plain full step, no longer
+# rescaled at five selections (2026-12-07, docs/time_model.md).
+PLANS = {"measured": 2, "flops": 1}
+
+
 def cache_key(
     signature: Mapping[str, Any], device: torch.device, candidates: list[tuple[str, nn.Parameter]], method: str
 ) -> str:
@@ -51,6 +57,7 @@ def cache_key(
         "device": device_name(device),
         "torch": torch.__version__,
         "method": method,
+        "plan": PLANS.get(method, 1),
         "params": [[name, list(p.shape), str(p.dtype)] for name, p in candidates],
         "signature": dict(signature),
     }

@@ -1,16 +1,12 @@
-"""Calibrating the hook-derived costs against plain, hook-free timings, and taking those timings."""
+"""The plain, hook-free timings a profile is calibrated to (`suffix_times`: its full step, between forward passes that
+witness a quiet machine), and how they tell a disturbed timing (`quiet_rounds`, `noise_of`)."""
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import warnings
 from collections.abc import Callable, Sequence
 
-from lightning_elastic.time_model import StepTimeModel, segment_costs, suffix_costs
-
-SEGMENTS = 4  # calibration segments: plain timings of 5 selections, each repeated
-MAX_CORRECTION = 3.0  # hooks never mis-measure a segment by more; larger factors are noise
 NOISE_LIMIT = 0.1  # repeated timings whose median is this far above their fastest disagree ...
 NOISE_ROUNDS = 3  # ... and rounds run, up to this many times `repeats`, until `repeats` quiet ones agree
 
@@ -88,52 +84,3 @@ def suffix_times(
     # (a tiny model, steps of 1 ms), and the profile floored every selection at 100% of a full step. The forward part
     # of the first selection's kept steps bounds it: their median is at most that step's (`steps[0]`).
     return min(statistics.median(empty[w] for w in witnesses), statistics.median(forwards[r] for r in kept)), steps
-
-
-def calibration_knots(t_dw: Sequence[float], t_dy: Sequence[float], segments: int) -> list[int]:
-    """Deepest indices ``0 = d_0 < ... < d_m = n - 1`` that cut the backward cost into equal segments."""
-    n = len(t_dw)
-    suffix = suffix_costs(t_dw, t_dy)
-    knots = [0]
-    for j in range(segments - 1, 0, -1):
-        target = suffix[0] * j / segments
-        d = max((i for i in range(n) if suffix[i] >= target), default=0)
-        if knots[-1] < d < n - 1:
-            knots.append(d)
-    if knots[-1] != n - 1:
-        knots.append(n - 1)
-    return knots
-
-
-def calibrate(
-    t_fw: float,
-    t_dw: Sequence[float],
-    t_dy: Sequence[float],
-    t_tail: float,
-    suffix_times: Sequence[tuple[int, float]],
-) -> tuple[list[float], list[float], float]:
-    """Rescale hook-derived costs so that the model reproduces plain timings.
-
-    ``suffix_times`` holds ``(d, seconds)`` of plain steps with tensors ``d..n-1`` selected, for
-    ``d = d_0 = 0 < d_1 < ... < d_m = n - 1``. The tail absorbs the error at ``d_m``; between two
-    neighbouring ``d`` the tensors' ``t_dw`` and ``t_dy`` are scaled by one factor so that the
-    difference of the two predictions equals the measured one. Hook overhead, autograd engine
-    overhead and cache effects that the hooks cannot see are thus charged where they occur.
-    """
-    dw, dy = list(t_dw), list(t_dy)
-    points = sorted(suffix_times)
-    last, last_time = points[-1]
-    model = StepTimeModel(tuple(dw), tuple(dy), t_fixed=t_fw + t_tail, t_tail=t_tail)
-    tail = max(t_tail + last_time - model.predict([i >= last for i in range(len(dw))]), 0.0)
-    knots = [d for d, _ in points]
-    for ((lo, lo_time), (hi, hi_time)), predicted in zip(
-        itertools.pairwise(points), segment_costs(dw, dy, knots), strict=True
-    ):
-        measured = lo_time - hi_time
-        if predicted <= 0.0:
-            dy[lo + 1] += max(measured, 0.0)
-            continue
-        factor = min(max(measured / predicted, 1 / MAX_CORRECTION), MAX_CORRECTION)
-        dw[lo:hi] = [v * factor for v in dw[lo:hi]]
-        dy[lo + 1 : hi + 1] = [v * factor for v in dy[lo + 1 : hi + 1]]
-    return dw, dy, tail

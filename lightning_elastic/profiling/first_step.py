@@ -27,15 +27,15 @@ class FirstStep:
     and its timings need a device that has run the step once. The fit's first optimizer step is both: it opens the
     first probe window, so every candidate trains. The callback records its signature as it runs and profiles (or
     reads the cache) on its batch between its backward pass and its optimizer update: profiling takes no pass of its
-    own for the fingerprint, on CPU the analytic profile takes the step's backward pass (`backward`, timed from this
-    callback's `on_before_backward` to its `on_after_backward`: with whatever other hooks run between, one sample) as
-    its full step's, and a speedup out of reach is still refused before any parameter changes. On CPU the first
-    backward pass of a process runs about as fast as the later ones (Lite0 on ELPV, fresh processes: 443 and 495 ms
-    against 399-466 ms for steps 2-8), its forward pass does not (435 and 380 ms against 163-243 ms), so the forward is
-    timed plain by the profile (a full step too after a first backward pass of over `passes.FIRST_BACKWARD_MAX`
-    forwards); its full step's forward is that plain one, without the graph a training step records
-    (a few percent of the forward), which the fit's calibration to the full step it measures makes up. Its seconds up
-    to the update (`timer`) are the first step's, charged to the fit.
+    own for the fingerprint, on CPU the profile (either time model) takes the step's backward pass (`backward`, timed
+    from this callback's `on_before_backward` to its `on_after_backward`: with whatever other hooks run between, one
+    sample) as its full step's, and a speedup out of reach is still refused before any parameter changes. On CPU the
+    first backward pass of a process runs about as fast as the later ones (Lite0 on ELPV, fresh processes: 443 and
+    495 ms against 399-466 ms for steps 2-8), its forward pass does not (435 and 380 ms against 163-243 ms), so the
+    forward is timed plain by the profile (a full step too after a first backward pass of over
+    `passes.FIRST_BACKWARD_MAX` forwards); its full step's forward is that plain one, without the graph a training step
+    records (a few percent of the forward), which the fit's calibration to the full step it measures makes up. Its
+    seconds up to the update (`timer`) are the first step's, charged to the fit.
 
     Only for one process running an eager module (`applies`: Lightning's single-device strategy): under DDP, even on
     one device, the wrapper adds its own nodes to the step's graph, and a compiled module's hooks are traced, not
@@ -77,7 +77,7 @@ class FirstStep:
 
     @staticmethod
     def backward_applies(pl_module: L.LightningModule) -> bool:
-        """Whether the step's backward pass may be the analytic profile's full step's: on CPU, where a process's
+        """Whether the step's backward pass may be the profile's full step's: on CPU, where a process's
         first backward pass runs as fast as its later ones; on a GPU it may load its kernels and tune their algorithms
         (`cudnn.benchmark`), which nothing here has measured, so the profile times a full step of its own there."""
         return pl_module.device.type == "cpu"

@@ -39,17 +39,16 @@ __all__ = [
 ]
 
 
-# What a first profile costs, in full training steps, by time model (docs/time_model.md): "measured" times every
-# backward node and calibrates against plain suffix steps, "flops" counts each op's work in one forward pass and times
-# one full step. One of them is the fit's first step (or a pass of its own for the key). MiniLM on e-mails, a 0.6 s
-# step: 4.2 s and 1.7 s.
-PROFILE_STEPS: dict[TimingMethod, int] = {"measured": 7, "flops": 3}
-# ... less what the fit's first step does for it (`FirstStep`): its pass is the fingerprint's (one step), its forward
-# pass counts the analytic profile's ops (one more: Lite0 on ELPV at 96 px, the counting pass took 0.22 s of a 0.44 s
-# profile, a 0.47 s step), and on CPU its timed backward pass is the analytic profile's full step's backward too, so
-# that one plain forward pass is left (about FORWARD_SHARE of a step: 0.17 s there). The plain full step and the
-# second forward that bracketed it took 1.2 s of a 1.9 s profile of Lite0 on ELPV, a 0.6 s step, in a benchmark
-# process.
+# What a first profile's passes cost, in full training steps (docs/time_model.md). The fingerprint's pass (one step)
+# unless the fit's first step is it (`FirstStep`); then "measured" times every backward node in three instrumented
+# passes (input gradients only, full, forward only: about two steps; Lite0 on ELPV at 96 px 0.9-1.5 s, steps of
+# 0.46 s) where "flops" counts each op's work in one forward pass, or takes the first step's counts; both scale to a
+# plain full step between two plain forward passes (about a third of a step each, FORWARD_SHARE), or, on CPU where
+# the first step's backward pass is that step's, to one plain forward pass. Until 2026-12-07 the measured profile
+# also timed plain steps at four more selections to rescale each quarter of the backward pass on its own: 2.2-3.3 s
+# more there, and no better at ranking selections on five models (docs/time_model.md).
+INSTRUMENTED_STEPS = 2
+
 # `time_model="auto"` measures the profile when it costs at most the own-time share of the planned fit
 # (`windows.OWN_SHARE`, which the probe windows get what is left of), else takes the analytic one. Holding the first
 # window (3 full steps after a timed profile) to that share too, so that the fit's whole own time fits in it, was tried
@@ -73,7 +72,7 @@ FORWARD_SHARE = 1 / 3
 class ProfileChoice(NamedTuple):
     """The time model a fit profiles with (`of`), whether a cached measured profile comes first (`auto`), whether
     profiling takes the fit's first step as its first pass (`first_step`, `FirstStep`), and whether that step's
-    backward pass is the analytic profile's full step's (`first_backward`: on CPU, `measure_profile`)."""
+    backward pass is the profile's full step's (`first_backward`: on CPU, `measure_profile`)."""
 
     method: TimingMethod
     auto: bool
@@ -95,7 +94,7 @@ class ProfileChoice(NamedTuple):
         either way (`measure_profile`).
 
         Example:
-            >>> ProfileChoice.of("auto", 280, 2.0).method, ProfileChoice.of("auto", 279, 2.0).method
+            >>> ProfileChoice.of("auto", 187, 2.0).method, ProfileChoice.of("auto", 186, 2.0).method
             ('measured', 'flops')
             >>> ProfileChoice.of("auto", 240, 2.0, first_step=True).method  # the first step is its first pass
             'measured'
@@ -119,7 +118,7 @@ class ProfileChoice(NamedTuple):
     ) -> ProfileChoice:  # fmt: skip
         """`of` for a fit starting on `trainer`: its first step is the profile's first pass where `FirstStep` applies
         and the fit is `fresh` (a resumed one restores a selection), and on CPU that step's backward pass is the
-        analytic profile's full step's too (`FirstStep.backward_applies`)."""
+        profile's full step's too (`FirstStep.backward_applies`)."""
         first_step = fresh and FirstStep.applies(trainer, pl_module)
         return cls.of(time_model, total_steps, speedup, first_step, FirstStep.backward_applies(pl_module))
 
@@ -142,26 +141,28 @@ class ProfileChoice(NamedTuple):
 
     @property
     def steps(self) -> float:
-        """What the profile costs the fit, in full training steps: `PROFILE_STEPS`, less one when the fit's first
-        step is the profile's first pass; for the analytic profile one more (that step counted its ops), and a plain
-        forward pass (`FORWARD_SHARE`) left of its full step when that step's backward pass is the profile's.
+        """What the profile costs the fit, in full training steps: the fingerprint's pass unless the fit's first step
+        is it; the measured profile's instrumented passes (`INSTRUMENTED_STEPS`), or the analytic one's counting
+        forward pass unless that step counted; a plain full step between two plain forward passes, or one plain
+        forward pass when that step's backward pass is the full step's.
 
         Example:
             >>> [ProfileChoice("flops", False, *first).steps for first in ((False, False), (True, False), (True, True))]
-            [3, 1, 0.3333333333333333]
+            [3.0, 1.6666666666666665, 0.3333333333333333]
+            >>> [ProfileChoice("measured", False, *first).steps for first in ((False, False), (True, True))]
+            [4.666666666666666, 2.3333333333333335]
         """
-        if self.method == "measured":
-            return PROFILE_STEPS["measured"] - int(self.first_step)
-        if self.first_step and self.first_backward:
-            return FORWARD_SHARE
-        return PROFILE_STEPS["flops"] - 2 * int(self.first_step)
+        fingerprint = 0 if self.first_step else 1
+        passes = INSTRUMENTED_STEPS if self.method == "measured" else (0 if self.first_step else FORWARD_SHARE)
+        full_step = FORWARD_SHARE if self.first_step and self.first_backward else 1 + 2 * FORWARD_SHARE
+        return fingerprint + passes + full_step
 
     def _cost(self) -> str:
         """`steps` in words: "about 6 training steps", "less than one training step"."""
-        steps = self.steps
-        if steps < 1:
+        steps = round(self.steps)
+        if self.steps < 1:
             return "less than one training step"
-        return f"about {steps:g} training step{'' if steps == 1 else 's'}"
+        return f"about {steps} training step{'' if steps == 1 else 's'}"
 
     def announce(self, module: nn.Module, speedup: float, cache_on: bool) -> None:
         """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model; with
@@ -203,8 +204,8 @@ def measure_profile(
     With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
     signature keys the cache, so profiling takes no pass of its own for it, if its inputs have the shapes of the
     first batch (`_first_batch`, in data set order); the analytic profile then takes the ops that step's forward pass
-    counted (`FirstStep.counted`), and on CPU scales them to that step's timed backward pass (`FirstStep.backward`),
-    with no counting pass and no full step of its own. Else, as without `first`,
+    counted (`FirstStep.counted`), with no counting pass; on CPU either profile is scaled to that step's timed
+    backward pass (`FirstStep.backward`), with no full step of its own. Else, as without `first`,
     on the first batch with a pass of its own for the key. The key must not depend on the shuffle: inputs whose shapes
     vary per batch (text padded to the longest in its batch) would key a shuffled batch's shapes, and the next run, or
     the check of a resume or a second fit (`stale_reason`, on the first batch), would profile again. So the key, and

@@ -12,9 +12,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_elastic.profiling.attribution import Structure
+from lightning_elastic.profiling.attribution import RawCosts, Structure
 from lightning_elastic.profiling.cache import cache_key
-from lightning_elastic.profiling.calibration import SEGMENTS, calibrate, calibration_knots, suffix_times
+from lightning_elastic.profiling.calibration import suffix_times
 from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
 from lightning_elastic.profiling.graph import (
     ACCUMULATE_GRAD,
@@ -33,8 +33,8 @@ __all__ = ["PHASES", "OpCount", "Progress", "Result", "Runner"]
 
 Progress = Callable[[int, int, str], None]  # phase k of n starts, doing `what`
 PHASES = 3
-# The analytic profile takes the fit's first backward pass as its full step's only when it took at most this many
-# plain forward passes (`Runner._run_flops`). A steady backward pass takes about 1.5-2.6 (Lite0 at 96 px about 2.5,
+# A profile takes the fit's first backward pass as its full step's only when it took at most this many
+# plain forward passes (`Runner._scaled`). A steady backward pass takes about 1.5-2.6 (Lite0 at 96 px about 2.5,
 # a 12-layer MLP 1.5), a process's first one of Lite0 2.3-4.0 (3 fresh processes); where each op's first call is a
 # real share of it, far more, and the profile then times a full step of its own: a tiny MLP's first backward pass
 # took 18-23 forward passes under bf16-mixed on CPU (16 ms for a steady 1.1 ms) and let 3.5x past the check before
@@ -245,8 +245,8 @@ class Runner:
         counted: OpCount | None = None,
     ) -> Result:
         """The passes of `method`; `backward`: the seconds of the full backward pass of a training step that just ran
-        on this batch (the fit's first), which the analytic method takes instead of timing a full step; `counted`:
-        that step's forward pass, whose ops the analytic method counts instead of running a counting pass."""
+        on this batch (the fit's first), which both methods take instead of timing a full step (`_scaled`);
+        `counted`: that step's forward pass, whose ops the analytic method counts instead of running a counting pass."""
         n = len(self.params)
         passes = f"{3 * repeats} instrumented passes"
         if method == "flops":
@@ -256,9 +256,9 @@ class Runner:
             self.plain([True] * n)
         if method == "flops":
             return self._run_flops(repeats, backward, counted)
-        return self._run_measured(repeats)
+        return self._run_measured(repeats, backward)
 
-    def _run_measured(self, repeats: int) -> Result:
+    def _run_measured(self, repeats: int, backward: float | None) -> Result:
         dx_passes = [self.instrumented("dx") for _ in range(repeats)]
         ids = {id(p) for p in self.params}
 
@@ -273,14 +273,9 @@ class Runner:
         full_passes = [self.instrumented("full", keep=keep) for _ in range(repeats)]
         none_passes = [self.instrumented("none") for _ in range(repeats)]
         structure = Structure(full_passes[0], self.params)
-        t_dw, t_dy, t_tail = structure.costs(full_passes, dx_passes, none_passes).model()
-        order = structure.order
+        raw, order = structure.costs(full_passes, dx_passes, none_passes), structure.order
         del structure, full_passes  # their graph's nodes, small but all over memory, before the plain timings
-        knots = calibration_knots(t_dw, t_dy, SEGMENTS)
-        self.progress(3, PHASES, f"plain timings of {len(knots)} selections, {repeats} or more rounds (calibration)")
-        t_fw, times = suffix_times(self.plain, len(self.params), order, knots, repeats)
-        t_dw, t_dy, t_tail = calibrate(t_fw, t_dw, t_dy, t_tail, list(zip(knots, times, strict=True)))
-        return Result(order, t_dw, t_dy, t_tail, t_fw=t_fw, t_full=times[0])
+        return self._scaled(raw, order, repeats, backward)
 
     def _run_flops(self, repeats: int, backward: float | None, counted: OpCount | None) -> Result:
         n = len(self.params)
@@ -300,21 +295,37 @@ class Runner:
         raw, order = structure.flop_costs(counted.record), structure.order
         # A graph of its own ran no backward pass: its nodes still hold the forward's saved activations.
         del structure, counted
-        if backward is not None:  # the training step's backward, and its plain forward (the quicker of two after a
-            # counting pass of its own: a disturbed one is slower), unless that backward took too many forwards to be
-            # a steady one (`FIRST_BACKWARD_MAX`)
+        return self._scaled(raw, order, repeats, backward, counting)
+
+    def _scaled(
+        self, raw: RawCosts, order: list[int], repeats: int, backward: float | None, forward: float = math.inf
+    ) -> Result:
+        """`raw` costs (hook times or op counts) scaled so that the full step's backward pass is a plain one's.
+
+        The plain full step is the training step's backward pass (`backward`) after a plain forward pass (the
+        quicker of it and `forward`, another pass's forward: a disturbed one is slower), unless that backward took
+        more than `FIRST_BACKWARD_MAX` forwards to be a steady one; else a full step of its own, bracketed by plain
+        forward passes and re-timed while they say the machine is disturbed (`calibration.suffix_times`). One
+        scale for every tensor: how selections compare is the hooks' or the counts' (docs/time_model.md: a
+        round of plain steps at five selections, which rescaled each quarter of the backward pass on its own, cost
+        about four full steps and ranked selections no better).
+        """
+        n = len(self.params)
+        if backward is not None:
             self.progress(3, PHASES, "a plain forward pass (the full step's backward is the training step's)")
-            forward = min(self.plain([False] * n)[0], counting)
+            forward = min(self.plain([False] * n)[0], forward)
             if backward <= FIRST_BACKWARD_MAX * forward:
                 t_fw, t_full = forward, forward + backward
             else:
                 times = f"{backward / forward:.1f}" if forward > 0 else f"more than {FIRST_BACKWARD_MAX:g}"
                 self.progress(3, PHASES, f"the training step's backward pass took {times} forward passes, not steady")
                 backward = None
-        if backward is None:  # a full step bracketed by plain forwards, re-timed while the machine is disturbed
+        if backward is None:
             self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
-            t_fw, (t_full,) = suffix_times(self.plain, len(self.params), order, [0], repeats)
+            t_fw, (t_full,) = suffix_times(self.plain, n, order, [0], repeats)
+        t_dw, t_dy, t_tail = raw.model()
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
-        scale = max(t_full - t_fw, 1e-9) / max(raw.total(), 1e-30)
-        raw.scale(scale)
-        return Result(order, *raw.model(), t_fw=t_fw, t_full=t_full)
+        scale = max(t_full - t_fw, 1e-9) / max(math.fsum(t_dw) + math.fsum(t_dy) + t_tail, 1e-30)
+        return Result(
+            order, [v * scale for v in t_dw], [v * scale for v in t_dy], t_tail * scale, t_fw=t_fw, t_full=t_full
+        )

@@ -51,7 +51,7 @@ def profile(
     Args:
         model: the module whose parameters requiring grad are profiled (the others stay frozen).
         compute_loss: runs one forward pass on a real batch already on the device and returns the scalar
-            loss; it is called about 11 times (more when timings are disturbed, see ``repeats``).
+            loss; it is called about 7 times (more when timings are disturbed, see ``repeats``).
         method: ``"measured"`` (hooks + plain timings) or ``"flops"`` (analytic op costs scaled to one
             measured step).
         cache_dir: where profiles are stored as JSON, keyed by a fingerprint of the device (GPU name or
@@ -62,12 +62,12 @@ def profile(
             mismatched or corrupt one is reported with a warning and replaced by a new measurement.
         warmup: plain training steps run before any timing, beyond the forward and backward pass that takes the
             fingerprint (which warms up the device too).
-        repeats: instrumented passes of each kind, and rounds of plain timings that calibrate them; medians are
-            kept. A round counts when the plain forward passes timed around it agree; rounds that do not (another
-            process used the device) are left out and replaced, up to three times as many rounds in all. A first
-            profile costs about 7-8 full training steps with the defaults on a quiet device (breakdown and the time
-            model's accuracy in docs/time_model.md), about 4 more per disturbed round; ``warmup=1, repeats=3`` was
-            the earlier default, about 20.
+        repeats: instrumented passes of each kind, and rounds of the plain full step that the costs are scaled to;
+            medians are kept. A round counts when the plain forward passes timed around it agree; rounds that do not
+            (another process used the device) are left out and replaced, up to three times as many rounds in all. A
+            first profile costs about 4.7 full training steps with the defaults on a quiet device (breakdown and the
+            time model's accuracy in docs/time_model.md), about 1.3 more per disturbed round; ``warmup=1, repeats=3``
+            was the default until issue #11, about 20 with the plain timings of five selections it took then.
         clock: seconds counter to use instead of ``time.perf_counter`` (and instead of CUDA events).
         progress: called as each phase starts with ``(k, n, what)``: phase ``k`` of ``n`` (1: the fingerprint,
             which a cached profile ends with; 2: the instrumented or op-counting passes; 3: the plain timings).

@@ -420,7 +420,7 @@ def test_first_steps_that_skip_their_backward_pass_still_leave_a_probe_window_an
 def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window() -> None:
     """The first 6 steps return no loss, so profiling and the first window begin at step 6, after the scheduled
     first window (auto: 6 steps, to time 2 steady full steps after the process's warm-up; 3 once the analytic profile
-    that "auto" takes for this fit is timed, which warms the process up for all but its first step): the window opened there
+    this fit asks for is timed, which warms the process up for all but its first step): the window opened there
     is that long too (before, a later window's length, all of it warm-up), and its selection waits for the epoch."""
 
     class SkipsSix(Counted):
@@ -428,7 +428,7 @@ def test_a_first_window_that_opens_late_is_as_long_as_the_scheduled_first_window
             loss = super().training_step(batch, batch_idx)
             return None if self.trainer.global_step < 6 and self.calls <= 6 else loss
 
-    callback = elastic(False, probe_steps="auto", interval=2)
+    callback = elastic(False, probe_steps="auto", interval=2, time_model="flops")
     trainer = tiny_trainer(callbacks=[callback], max_steps=64, max_epochs=8)  # epochs of 8 steps, selections every 16
     trainer.fit(SkipsSix(), tiny_data())
     fit = callback._fit

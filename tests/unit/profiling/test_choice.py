@@ -12,24 +12,25 @@ from lightning_elastic.profiling import harness
 from lightning_elastic.profiling.harness import ProfileChoice
 
 
-@pytest.mark.parametrize("first_step", [False, True])
+@pytest.mark.parametrize(("first_step", "first_backward"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("speedup", [1.5, 2.0, 2.25, 2.5, 2.8])
 def test_auto_measures_the_profile_where_it_costs_at_most_the_own_share_of_the_planned_fit(
-    speedup: float, first_step: bool
+    speedup: float, first_step: bool, first_backward: bool
 ) -> None:
-    """The measured profile's steps (one fewer when the fit's first step is its first pass) against `OWN_SHARE` of
-    the planned full steps `N / s`, scaled above 2x by the room a selected step has above the forward pass
-    (`1 / s - FORWARD_SHARE`) against that room at 2x, by brute force."""
-    steps = harness.PROFILE_STEPS["measured"] - first_step
+    """The measured profile's steps against `OWN_SHARE` of the planned full steps `N / s`, scaled above 2x by the
+    room a selected step has above the forward pass (`1 / s - FORWARD_SHARE`) against that room at 2x, by brute
+    force."""
+    steps = ProfileChoice("measured", True, first_step, first_backward).steps
     room = min(1.0, (1 / speedup - harness.FORWARD_SHARE) / (1 / 2 - harness.FORWARD_SHARE))
     shortest = next(n for n in range(1, 100_000) if steps <= windows.OWN_SHARE * room * n / speedup + 1e-9)
     of = ProfileChoice.of
-    assert of("auto", shortest, speedup, first_step) == ("measured", True, first_step, False)
-    assert of("auto", shortest - 1, speedup, first_step) == ("flops", True, first_step, False)
-    assert of("auto", None, speedup, first_step) == ("measured", True, first_step, False)  # unknown length: a long fit
+    flags = (first_step, first_backward)
+    assert of("auto", shortest, speedup, *flags) == ("measured", True, *flags)
+    assert of("auto", shortest - 1, speedup, *flags) == ("flops", True, *flags)
+    assert of("auto", None, speedup, *flags) == ("measured", True, *flags)  # unknown length: a long fit
     for asked in ("measured", "flops"):
-        assert of(asked, 1, speedup, first_step) == (asked, False, first_step, False)  # explicit: held at any length
-        assert of(asked, 10**6, speedup, first_step) == (asked, False, first_step, False)
+        assert of(asked, 1, speedup, *flags) == (asked, False, *flags)  # explicit: held at any length
+        assert of(asked, 10**6, speedup, *flags) == (asked, False, *flags)
 
 
 @pytest.mark.parametrize("speedup", [3.0, 4.0, 10.0])
@@ -43,17 +44,18 @@ def test_auto_takes_the_analytic_profile_at_3x_and_above_however_long_the_fit(sp
 
 
 def test_the_documented_boundary_holds() -> None:
-    """docs/configuration.md and how_it_works.md: at 2x a fit of 240 steps or more measures when its first step is
-    the profile's first pass (280 when profiling takes a pass of its own); 90 steps do not."""
-    assert ProfileChoice.of("auto", 240, 2.0, first_step=True).method == "measured"
-    assert ProfileChoice.of("auto", 239, 2.0, first_step=True).method == "flops"
-    assert ProfileChoice.of("auto", 280, 2.0).method == "measured"
-    assert ProfileChoice.of("auto", 279, 2.0).method == "flops"
-    assert ProfileChoice.of("auto", 90, 2.0, first_step=True).method == "flops"
-    assert ProfileChoice.of("auto", 400, 2.0, first_step=True).method == "measured"  # Fashion-MNIST's fit at 2x
-    assert ProfileChoice.of("auto", 750, 2.5, first_step=True).method == "measured"  # 6 <= 0.05 x 0.4 x 300
-    assert ProfileChoice.of("auto", 749, 2.5, first_step=True).method == "flops"
-    assert ProfileChoice.of("auto", 400, 3.0, first_step=True).method == "flops"  # Fashion-MNIST's fit at 3x
+    """docs/configuration.md: at 2x a fit of 94 steps or more measures on CPU when its first step is the profile's
+    first pass (147 on a GPU, 187 when profiling takes a pass of its own); at 1.5x 70, 110 and 140; 292 at 2.5x."""
+    cpu, gpu = {"first_step": True, "first_backward": True}, {"first_step": True}
+    for speedup, shortest, flags in (
+        (2.0, 94, cpu), (2.0, 147, gpu), (2.0, 187, {}), (1.5, 70, cpu), (1.5, 110, gpu), (1.5, 140, {}),
+        (2.5, 292, cpu),
+    ):  # fmt: skip
+        assert ProfileChoice.of("auto", shortest, speedup, **flags).method == "measured"
+        assert ProfileChoice.of("auto", shortest - 1, speedup, **flags).method == "flops"
+    assert ProfileChoice.of("auto", 90, 2.0, **cpu).method == "flops"  # MiniLM's 90-step fit at 2x
+    assert ProfileChoice.of("auto", 240, 2.0, **cpu).method == "measured"  # the published ELPV run
+    assert ProfileChoice.of("auto", 400, 3.0, **cpu).method == "flops"  # Fashion-MNIST's fit at 3x
 
 
 def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analytic_model(
@@ -73,12 +75,11 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
         ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0, cache_on=True)
         ProfileChoice.of("auto", 128, 2.97, first_step=True).announce(module, 2.97, cache_on=True)  # little room left
     said = [r.getMessage() for r in caplog.records]
-    steps = harness.PROFILE_STEPS
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
     assert "analytic time model (op counts, scaled to this step's backward pass) (less than one training step," in said[0]
-    assert f"time_model='auto': a measured profile (about {steps['measured'] - 1} training steps)" in said[0]
+    assert "time_model='auto': a measured profile (about 2 training steps)" in said[0]  # 2.33: `ProfileChoice.steps`
     assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
-    assert f"measured (about {steps['measured']} training steps" in said[1] and "time_model='auto'" not in said[1]
+    assert "measured (about 5 training steps" in said[1] and "time_model='auto'" not in said[1]  # 4.67
     assert "a cached profile of this model on this device is used instead" in said[0]
     assert "cached profile" not in said[1]  # `cache_dir=False`: no cache is read
     assert "would be more than 2% of this fit (5%, scaled to the room a selected step has above the forward" in said[2]
@@ -86,15 +87,23 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     assert "would be more than 0.1% of this fit (5%, scaled to the room" in said[4]  # it read "more than 0%"
 
 
-def test_the_analytic_profile_costs_a_plain_forward_pass_where_the_fits_first_step_counts_its_ops_and_times_it() -> None:
-    """On CPU the fit's first step is the analytic profile's fingerprint, its op count and its timed backward pass: a
-    plain forward pass (`FORWARD_SHARE` of a step) is left of `PROFILE_STEPS`' 3; elsewhere (a GPU:
-    `FirstStep.backward_applies`) the fingerprint and the op count, so 1 (a timed full step) is left; profiling on
-    its own, 3. The measured profile times its own passes in every case."""
-    assert harness.PROFILE_STEPS == {"measured": 7, "flops": 3} and harness.FORWARD_SHARE == 1 / 3
+def test_a_profile_costs_a_plain_forward_pass_less_where_the_fits_first_step_is_its_first_pass_and_times_it() -> None:
+    """On CPU the fit's first step is the profile's fingerprint and its timed backward pass (and the analytic one's op
+    count): a plain forward pass (`FORWARD_SHARE` of a step) is left of the plain full step between two forwards;
+    elsewhere (a GPU: `FirstStep.backward_applies`) the fingerprint (and the count) are the step's, the full step is
+    timed; profiling on its own, every pass. The measured profile's instrumented passes run in every case
+    (`test_pass_plan` checks these figures against the passes a simulated device runs)."""
+    assert harness.INSTRUMENTED_STEPS == 2 and harness.FORWARD_SHARE == 1 / 3
+    for method, own in (("flops", 1 / 3), ("measured", 2)):  # the counting forward pass; the instrumented passes
+        cpu = ProfileChoice.of(method, 100, 2.0, first_step=True, first_backward=True)
+        gpu = ProfileChoice.of(method, 100, 2.0, first_step=True, first_backward=False)
+        alone = ProfileChoice.of(method, 100, 2.0, first_step=False, first_backward=True)  # no step: no backward
+        assert not alone.first_backward
+        counted = 0 if method == "flops" else own  # the first step counted the analytic profile's ops
+        assert cpu.steps == pytest.approx(counted + 1 / 3)
+        assert gpu.steps == pytest.approx(counted + 1 + 2 / 3)
+        assert alone.steps == pytest.approx(1 + own + 1 + 2 / 3)
     cpu = ProfileChoice.of("flops", 100, 2.0, first_step=True, first_backward=True)
-    gpu = ProfileChoice.of("flops", 100, 2.0, first_step=True, first_backward=False)
-    alone = ProfileChoice.of("flops", 100, 2.0, first_step=False, first_backward=True)  # no step: no backward either
-    assert (cpu.steps, gpu.steps, alone.steps) == (1 / 3, 1, 3) and not alone.first_backward
-    assert ProfileChoice.of("measured", 100, 2.0, first_step=True, first_backward=True).steps == 6
-    assert ProfileChoice.of("auto", 100, 2.0, first_step=True, first_backward=True) == cpu._replace(auto=True)
+    assert ProfileChoice.of("auto", 100, 2.0, first_step=True, first_backward=True) == cpu._replace(
+        method="measured", auto=True
+    )

@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_elastic.profiling import TimingProfile, profile
-from lightning_elastic.profiling.calibration import SEGMENTS, calibration_knots
+from lightning_elastic.profiling.graph import StepBackward
+from lightning_elastic.profiling.harness import ProfileChoice
+from lightning_elastic.profiling.profile import TimingMethod
 from tests.unit.profiling.fakes import FakeClock, FakeLayer, simulated_step
 
 LAYERS = 8
@@ -24,8 +26,7 @@ class Bump(nn.Module):
     """Adds ``seconds`` to the forward pass of the calls numbered in ``calls`` only: disturbed timings.
 
     Calls of `compute_loss` in the default plan: 1 the fingerprint's pass, 2-4 the instrumented passes (dx, full,
-    forward only), 5 the first witness, then per round the 5 knots (deepest tensor 0 first) and a witness: 6-10 and
-    11, 12-16 and 17, 18-22 and 23.
+    forward only), 5 the first witness, then per round the plain full step and a witness: 6 and 7, 8 and 9, 10 and 11.
     """
 
     def __init__(self, clock: FakeClock, calls: Collection[int], seconds: float) -> None:
@@ -68,30 +69,42 @@ def _counted(
     return prof, counted, suffix_step
 
 
-def test_default_plan_costs_one_pass_of_each_kind_and_one_round_of_plain_timings() -> None:
+def test_default_plan_costs_one_pass_of_each_kind_and_one_plain_full_step() -> None:
     prof, calls, suffix_step = _counted()
-    knots = calibration_knots(prof.t_dw, prof.t_dy, SEGMENTS)
-    assert len(knots) == SEGMENTS + 1
     # The fingerprint's pass (also the warmup); one instrumented pass with input gradients only, one full, one
-    # forward only; one round of plain steps at the knots, bracketed by two plain forward passes.
-    assert calls == 1 + 3 + len(knots) + 2
+    # forward only; one plain full step, bracketed by two plain forward passes.
+    assert calls == 1 + 3 + 3
     # The hooked passes make the first layer's input a leaf that requires grad, so that layer's dx runs too.
     instrumented = (EMPTY + LAYERS * DX) + (FULL + DX) + EMPTY
-    expected = FULL + instrumented + sum(suffix_step(d) for d in knots) + 2 * EMPTY
-    assert prof.profile_seconds == pytest.approx(expected)
-    assert prof.profile_seconds / prof.t_full < 7.5  # issue #11: far below the earlier ~20 full steps
+    assert prof.profile_seconds == pytest.approx(FULL + instrumented + FULL + 2 * EMPTY)
+    assert prof.profile_seconds / prof.t_full < 5  # issue #11: the earlier ~20 full steps, then 7.4 with 5 selections
+    # Hooks that time exactly need no more than the one scale to the plain full step: every selection is predicted.
+    for d in range(LAYERS):
+        assert prof.predict([i >= d for i in range(LAYERS)]) == pytest.approx(suffix_step(d))
+
+
+@pytest.mark.parametrize(("method", "first"), [("measured", False), ("measured", True), ("flops", False)])
+def test_what_a_fit_is_told_a_profile_costs_is_what_its_passes_take(method: TimingMethod, first: bool) -> None:
+    """`ProfileChoice.steps` (what `auto` weighs and the start message says) against the simulated device's seconds,
+    in full steps: on its own, and after a training step that took the fingerprint and timed its backward pass."""
+    taken: dict[str, Any] = {}
+    if first:
+        taken = {"signature": {"step": "ran"}, "backward": StepBackward(FULL - EMPTY, frozenset())}
+    prof, _, _ = _counted(method=method, **taken)
+    steps = ProfileChoice(method, auto=False, first_step=first, first_backward=first).steps
+    assert prof.profile_seconds / prof.t_full == pytest.approx(steps, rel=0.05)
 
 
 def test_earlier_default_plan_for_comparison() -> None:
     prof, calls, _ = _counted(warmup=1, repeats=3)
-    assert calls == 1 + 1 + 3 * 3 + 3 * (SEGMENTS + 1) + 4
-    assert prof.profile_seconds / prof.t_full > 20
+    assert calls == 1 + 1 + 3 * 3 + 1 + 3 * 2  # three rounds of the full step that must agree
+    assert prof.profile_seconds / prof.t_full > 12
 
 
 def test_a_disturbed_witness_buys_another_round() -> None:
     # Call 5 is the plain forward pass before the first round: 10 s slower than the one after it.
     prof, calls, _ = _counted(bumps={5})
-    assert calls == 1 + 3 + 2 * (SEGMENTS + 1) + 3
+    assert calls == 1 + 3 + 2 * 2 + 1
     assert prof.t_fw == pytest.approx(EMPTY)  # the median of three witnesses leaves the disturbed one out
     assert prof.t_full == pytest.approx(FULL)
 
@@ -101,27 +114,25 @@ def test_a_disturbed_round_is_left_out_and_costs_one_more_round() -> None:
     # the second, between two quiet witnesses, does and is the only one kept. (Until issue #11's cut, the first
     # round's timings stayed in the medians, so a third round had to outvote them.)
     prof, calls, _ = _counted(bumps={5, 6})
-    assert calls == 1 + 3 + 2 * (SEGMENTS + 1) + 3
+    assert calls == 1 + 3 + 2 * 2 + 1
     assert prof.t_full == pytest.approx(FULL)
     assert prof.t_fw == pytest.approx(EMPTY)
 
 
 def test_a_disturbed_witness_between_rounds_discounts_both() -> None:
-    # The witness after the first round (call 11) is disturbed: neither round next to it counts, a third one runs.
-    prof, calls, suffix_step = _counted(bumps={11, 12})
-    assert calls == 1 + 3 + 3 * (SEGMENTS + 1) + 4
+    # The witness after the first round (call 7) is disturbed: neither round next to it counts, a third one runs.
+    prof, calls, _ = _counted(bumps={7, 8})
+    assert calls == 1 + 3 + 3 * 2 + 1
     assert prof.t_full == pytest.approx(FULL)
     assert prof.t_fw == pytest.approx(EMPTY)
-    for d in range(LAYERS):
-        assert prof.predict([i >= d for i in range(LAYERS)]) == pytest.approx(suffix_step(d))
 
 
 def test_no_quiet_round_warns_and_keeps_every_round() -> None:
     # Every second witness is disturbed: no round lies between two quiet ones.
     warning = r"differ too much \(0 of the rounds between quiet forward passes, after 3 rounds\)"
-    prof, calls, _ = _counted(bumps={11, 23}, warn=warning)
-    assert calls == 1 + 3 + 3 * (SEGMENTS + 1) + 4
-    assert prof.t_full == pytest.approx(FULL)  # no knot was disturbed: every round gives the same timings
+    prof, calls, _ = _counted(bumps={7, 11}, warn=warning)
+    assert calls == 1 + 3 + 3 * 2 + 1
+    assert prof.t_full == pytest.approx(FULL)  # no full step was disturbed: every round gives the same timing
     # the median of two quiet witnesses and two disturbed ones is EMPTY + 5: the forward part of the full steps, none
     # disturbed, bounds it
     assert prof.t_fw == pytest.approx(EMPTY)
