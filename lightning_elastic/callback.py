@@ -79,9 +79,9 @@ class ElasticTensorSelection(Callback):
         time_model: "measured" (per-tensor times profiled on this device, about 5 training steps: 2-4 beyond the
             fit's first where that is its first pass), "flops" (op counts scaled to one timed step, about 3: where the
             fit's first step counts the ops, 2, and a plain forward pass on CPU, where that step's backward pass is
-            the timed one), or "auto" (default): measured when it costs at most 5% of the
-            planned fit (a share that shrinks above 2x with the room a step has above its forward pass: none from 3x)
-            or a measured profile is cached, else flops.
+            the timed one), or "auto" (default): measured when it and the first probe window after it (3 full
+            steps) cost at most 5% of the planned fit (a share that shrinks above 2x with the room a step has above
+            its forward pass: none from 3x) or a measured profile is cached, else flops.
         train_always: shell-style patterns of parameter names always trained, e.g. a new head: `["model.fc.*"]`.
         train_never: patterns of parameter names never trained. Parameters that do not require grad when training
             starts are never trained either, and get their flags back when the fit ends.

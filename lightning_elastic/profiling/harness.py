@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_elastic import windows
+from lightning_elastic import warmup, windows
 from lightning_elastic.distributed import any_rank
 from lightning_elastic.errors import ElasticConfigError
 from lightning_elastic.profiling.first_step import FirstStep, loss_in
@@ -46,20 +46,20 @@ __all__ = [
 # plain full step between two plain forward passes (about a third of a step each, FORWARD_SHARE), or, on CPU where
 # the first step's backward pass is that step's, to one plain forward pass. Until 2026-12-07 the measured profile
 # also timed plain steps at four more selections to rescale each quarter of the backward pass on its own: 2.2-3.3 s
-# more there, and no better at ranking selections on five models (docs/time_model.md).
+# more there, and no better at ranking selections but on Lite0 at 64 px (docs/time_model.md).
 INSTRUMENTED_STEPS = 2
 
-# `time_model="auto"` measures the profile when it costs at most the own-time share of the planned fit
-# (`windows.OWN_SHARE`, which the probe windows get what is left of), else takes the analytic one. Holding the first
-# window (3 full steps after a timed profile) to that share too, so that the fit's whole own time fits in it, was tried
-# three times and not kept: on Fashion-MNIST's 400-step fits (2026-11-27: 1.7 points lower on 5 paired seeds); on the
-# published ELPV run, 240 steps at 2x (2026-12-06 11:53: 1.7 points lower on every seed of 5); and on 2026-12-07
-# (from 360 steps at 2x): the published run took the analytic profile, own time 2.4% against 8.8-9.8%, accuracy a tie
-# with the measured profile's run (-0.9 +- 1.1 points paired by seed), but few-shot ELPV at 1.5x (200 steps), the other
-# fit it moved, ended 1.5 +- 1.2 points lower (balanced accuracy, 5 seeds, 4 lower) and its `T`, timed by a process the
-# analytic profile had left cold, came out 1.2-1.5 times the full runs' step on 3 seeds, which ran 1.19-1.34x at 1.5x
-# asked (the measured profile: 1.39-1.90x). Fashion-MNIST's fit with the analytic profile forced ended 2.2 points lower
-# on each of 3 seeds the same day (docs/results.md, 2026-12-07 06:35-08:30).
+# `time_model="auto"` measures the profile when it and the first probe window it times after it (`FIRST_WINDOW`: the
+# fit's full step `T`, which both time models need) cost at most the own-time share of the planned fit
+# (`windows.OWN_SHARE`, which the later probe windows get what is left of), else takes the analytic one: so that the
+# fit's whole own time can fit the share. Tried three times with the profile of 6 full steps (from 360 steps at 2x) and
+# not kept: it moved fits that had measured to the analytic profile, which cost Fashion-MNIST's 400-step fit 1.7 points
+# (2026-11-27), the published ELPV run 1.7 points (2026-12-06 11:53; a tie on 12-07 05:40) and few-shot ELPV at 1.5x
+# (200 steps) 1.5 points and its contract (2026-12-07 08:16: three fits at 1.19-1.34x, `T` timed by a process the
+# analytic profile had left cold). With the profile of 2.3 full steps (2026-12-07) every one of those fits measures
+# (from 214 steps at 2x, 160 at 1.5x) and the fits that took the analytic profile still do (ELPV's 150-step fit,
+# few-shot ELPV at 2x, MiniLM's 90 steps), where the profile alone would have moved them to a measured profile and
+# their own time above the share (the first window's 3 full steps are 4% of a 150-step fit at 2x).
 # A share that shrinks, above 2x, with the room a selected step has above the forward pass every step pays (about this
 # share of a full step: backward about twice the forward; Lite0 on Fashion-MNIST, the head alone 0.28-0.30 of a full
 # step), against that room at 2x (`ProfileChoice.room`). At 3x there is none to spare: on Fashion-MNIST's 400-step fit
@@ -67,6 +67,8 @@ INSTRUMENTED_STEPS = 2
 # trained the head and little more (70-73%); with the analytic one (0.9-3.2 s) 8 of 8 reached 75.5-83.3%, the same mean
 # within the spread (docs/results.md, 2026-11-27).
 FORWARD_SHARE = 1 / 3
+# The first probe window after a timed profile, in full steps: its warm-up step, then the steady samples of `T`.
+FIRST_WINDOW = warmup.PROFILED_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS
 
 
 class ProfileChoice(NamedTuple):
@@ -88,16 +90,17 @@ class ProfileChoice(NamedTuple):
         first_step: bool = False,
         first_backward: bool = False,
     ) -> ProfileChoice:
-        """`time_model`, or for "auto" the measured model when its first profile (`steps`) costs at most
-        `windows.OWN_SHARE` of the fit's planned `total_steps / speedup` full steps, times `room(speedup)` (always when
-        the length is unknown), else the analytic one ("flops"); a measured profile already in the cache is used
-        either way (`measure_profile`).
+        """`time_model`, or for "auto" the measured model when its first profile (`steps`) and the first probe window
+        after it (`FIRST_WINDOW`) cost at most `windows.OWN_SHARE` of the fit's planned `total_steps / speedup` full
+        steps, times `room(speedup)` (always when the length is unknown), else the analytic one ("flops"); a measured
+        profile already in the cache is used either way (`measure_profile`).
 
         Example:
-            >>> ProfileChoice.of("auto", 187, 2.0).method, ProfileChoice.of("auto", 186, 2.0).method
+            >>> ProfileChoice.of("auto", 307, 2.0).method, ProfileChoice.of("auto", 306, 2.0).method
             ('measured', 'flops')
-            >>> ProfileChoice.of("auto", 240, 2.0, first_step=True).method  # the first step is its first pass
-            'measured'
+            >>> cpu = {"first_step": True, "first_backward": True}  # the first step is its first pass, its backward too
+            >>> ProfileChoice.of("auto", 240, 2.0, **cpu).method, ProfileChoice.of("auto", 150, 2.0, **cpu).method
+            ('measured', 'flops')
             >>> ProfileChoice.of("auto", 400, 3.0, first_step=True).method  # no room above the forward pass
             'flops'
             >>> ProfileChoice.of("auto", None, 2.0).method, ProfileChoice.of("measured", 10, 2.0)
@@ -108,7 +111,7 @@ class ProfileChoice(NamedTuple):
             return cls(time_model, auto=False, first_step=first_step, first_backward=first_backward)
         measured = cls("measured", auto=True, first_step=first_step, first_backward=first_backward)
         budget = windows.OWN_SHARE * cls.room(speedup) * (total_steps or 0) / speedup + 1e-9  # within rounding
-        affordable = total_steps is None or measured.steps <= budget
+        affordable = total_steps is None or measured.steps + FIRST_WINDOW <= budget
         return measured if affordable else measured._replace(method="flops")
 
     @classmethod
@@ -180,7 +183,8 @@ class ProfileChoice(NamedTuple):
             else:
                 share = windows.OWN_SHARE
                 scaled = f"{share * room:.0%}" if share * room >= 0.01 else f"{share * room:.1%}"  # not "0%"
-                why = f"{cost} would be more than {scaled} of this fit"
+                why = f"{cost} and the first probe window after it ({FIRST_WINDOW} full steps) would be more than "
+                why += f"{scaled} of this fit"
                 if room < 1.0:
                     why += f" ({share:.0%}, scaled to the room a selected step has above the forward pass)"
             why += "; time_model='measured' measures anyway"

@@ -17,10 +17,10 @@ from lightning_elastic.profiling.harness import ProfileChoice
 def test_auto_measures_the_profile_where_it_costs_at_most_the_own_share_of_the_planned_fit(
     speedup: float, first_step: bool, first_backward: bool
 ) -> None:
-    """The measured profile's steps against `OWN_SHARE` of the planned full steps `N / s`, scaled above 2x by the
-    room a selected step has above the forward pass (`1 / s - FORWARD_SHARE`) against that room at 2x, by brute
-    force."""
-    steps = ProfileChoice("measured", True, first_step, first_backward).steps
+    """The measured profile's steps and the first probe window's against `OWN_SHARE` of the planned full steps
+    `N / s`, scaled above 2x by the room a selected step has above the forward pass (`1 / s - FORWARD_SHARE`) against
+    that room at 2x, by brute force."""
+    steps = ProfileChoice("measured", True, first_step, first_backward).steps + harness.FIRST_WINDOW
     room = min(1.0, (1 / speedup - harness.FORWARD_SHARE) / (1 / 2 - harness.FORWARD_SHARE))
     shortest = next(n for n in range(1, 100_000) if steps <= windows.OWN_SHARE * room * n / speedup + 1e-9)
     of = ProfileChoice.of
@@ -44,16 +44,21 @@ def test_auto_takes_the_analytic_profile_at_3x_and_above_however_long_the_fit(sp
 
 
 def test_the_documented_boundary_holds() -> None:
-    """docs/configuration.md: at 2x a fit of 94 steps or more measures on CPU when its first step is the profile's
-    first pass (147 on a GPU, 187 when profiling takes a pass of its own); at 1.5x 70, 110 and 140; 292 at 2.5x."""
+    """docs/configuration.md: at 2x a fit of 214 steps or more measures on CPU when its first step is the profile's
+    first pass (267 on a GPU, 307 when profiling takes a pass of its own); at 1.5x 160, 200 and 230; 667 at 2.5x."""
+    assert harness.FIRST_WINDOW == 3
     cpu, gpu = {"first_step": True, "first_backward": True}, {"first_step": True}
     for speedup, shortest, flags in (
-        (2.0, 94, cpu), (2.0, 147, gpu), (2.0, 187, {}), (1.5, 70, cpu), (1.5, 110, gpu), (1.5, 140, {}),
-        (2.5, 292, cpu),
+        (2.0, 214, cpu), (2.0, 267, gpu), (2.0, 307, {}), (1.5, 160, cpu), (1.5, 200, gpu), (1.5, 230, {}),
+        (2.5, 667, cpu),
     ):  # fmt: skip
         assert ProfileChoice.of("auto", shortest, speedup, **flags).method == "measured"
         assert ProfileChoice.of("auto", shortest - 1, speedup, **flags).method == "flops"
     assert ProfileChoice.of("auto", 90, 2.0, **cpu).method == "flops"  # MiniLM's 90-step fit at 2x
+    assert ProfileChoice.of("auto", 150, 2.0, **cpu).method == "flops"  # ELPV's short fit at 2x
+    assert ProfileChoice.of("auto", 150, 1.5, **cpu).method == "flops"  # ... and at 1.5x
+    assert ProfileChoice.of("auto", 200, 2.0, **cpu).method == "flops"  # few-shot ELPV at 2x
+    assert ProfileChoice.of("auto", 200, 1.5, **cpu).method == "measured"  # ... and at 1.5x
     assert ProfileChoice.of("auto", 240, 2.0, **cpu).method == "measured"  # the published ELPV run
     assert ProfileChoice.of("auto", 400, 3.0, **cpu).method == "flops"  # Fashion-MNIST's fit at 3x
 
@@ -78,7 +83,10 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
     assert "analytic time model (op counts, scaled to this step's backward pass) (less than one training step," in said[0]
     assert "time_model='auto': a measured profile (about 2 training steps)" in said[0]  # 2.33: `ProfileChoice.steps`
-    assert "would be more than 5% of this fit; time_model='measured' measures anyway" in said[0]
+    assert (
+        "and the first probe window after it (3 full steps) would be more than 5% of this fit; time_model='measured' "
+        "measures anyway"
+    ) in said[0]
     assert "measured (about 5 training steps" in said[1] and "time_model='auto'" not in said[1]  # 4.67
     assert "a cached profile of this model on this device is used instead" in said[0]
     assert "cached profile" not in said[1]  # `cache_dir=False`: no cache is read
@@ -104,6 +112,7 @@ def test_a_profile_costs_a_plain_forward_pass_less_where_the_fits_first_step_is_
         assert gpu.steps == pytest.approx(counted + 1 + 2 / 3)
         assert alone.steps == pytest.approx(1 + own + 1 + 2 / 3)
     cpu = ProfileChoice.of("flops", 100, 2.0, first_step=True, first_backward=True)
-    assert ProfileChoice.of("auto", 100, 2.0, first_step=True, first_backward=True) == cpu._replace(
+    assert ProfileChoice.of("auto", 100, 2.0, first_step=True, first_backward=True) == cpu._replace(auto=True)
+    assert ProfileChoice.of("auto", 240, 2.0, first_step=True, first_backward=True) == cpu._replace(
         method="measured", auto=True
     )
