@@ -27,6 +27,7 @@ from lightning_elastic.profiling.graph import (
     walk,
 )
 from lightning_elastic.profiling.profile import TimingMethod
+from lightning_elastic.time_model import suffix_costs
 from lightning_elastic.timing import DeviceClock
 
 __all__ = ["PHASES", "OpCount", "Progress", "Result", "Runner"]
@@ -325,8 +326,9 @@ class Runner:
             self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
             t_fw, (t_full,) = suffix_times(self.plain, n, order, [0], repeats)
         t_dw, t_dy, t_tail = raw.model()
+        full_backward = (suffix_costs(t_dw, t_dy)[0] if t_dw else 0.0) + t_tail  # the time model's, all trained
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.
-        scale = max(t_full - t_fw, 1e-9) / max(math.fsum(t_dw) + math.fsum(t_dy) + t_tail, 1e-30)
+        scale = max(t_full - t_fw, 1e-9) / max(full_backward, 1e-30)
         return Result(
             order, [v * scale for v in t_dw], [v * scale for v in t_dy], t_tail * scale, t_fw=t_fw, t_full=t_full
         )
