@@ -73,6 +73,13 @@ def table_rows(runs: Sequence[dict[str, Any]], fraction: float, metric: Metric =
                 ),
                 "asked_speedup": r.get("speedup", math.nan),
                 "callback_fit_speedup": elastic.get("fit_speedup", math.nan),
+                # What the fit's account holds full fine-tuning's steps to take (`T` at the device's pace), against
+                # what they took in the full runs: the fit lands off its own account by as much.
+                "full_estimate_vs_full_run": (
+                    elastic.get("full_fit_seconds", math.nan) / (reference["mean_step_seconds"] * r["steps"])
+                    if reference
+                    else math.nan
+                ),
                 "overhead_share": own_share(r, "probe_seconds"),
                 # The same with each probe step counted by what it cost beyond a selected step (`FitSummary`).
                 "excess_share": own_share(r, "probe_excess_seconds"),

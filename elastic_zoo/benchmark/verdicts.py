@@ -74,7 +74,13 @@ def contract(grouped: dict[str, list[dict[str, Any]]]) -> list[str]:
     return [
         "## The wall-clock contract (every elastic run: its training time against full fine-tuning's, same seed)",
         "",
-        *(contract_line(name, group) for name, group in grouped.items() if name.startswith("elastic")),
+        *(
+            line
+            for name, group in grouped.items()
+            if name.startswith("elastic")
+            for line in (contract_line(name, group), estimate_line(name, group))
+            if line
+        ),
         *drift_lines(grouped),
     ]
 
@@ -95,6 +101,22 @@ def contract_line(name: str, group: Sequence[dict[str, Any]]) -> str:
         f"{line}; scaled by the host's speed (each run's validation time against its full run's, the same work: "
         f"{', '.join(f'{h:.2f}' for h in host)}) {cell(scaled, digits=2)}x"
     )
+
+
+def estimate_line(name: str, group: Sequence[dict[str, Any]]) -> str:
+    """What each fit's own account held full fine-tuning's time to be (its `T` at the device's pace) against the
+    full runs' time: a fit below 1 ran faster than asked by as much while its account says the asked (and slower
+    above 1); empty for runs without the figure.
+
+    Example:
+        >>> estimate_line("elastic_2x", [{"full_estimate_vs_full_run": 0.9}, {"full_estimate_vs_full_run": 1.1}])
+        "- elastic_2x: its account of full fine-tuning's time against the full runs': 0.90, 1.10 (1.00 ± 0.14)"
+    """
+    ratios = [float(r.get("full_estimate_vs_full_run", math.nan)) for r in group]
+    if not ratios or not all(math.isfinite(x) for x in ratios):
+        return ""
+    each = ", ".join(f"{x:.2f}" for x in ratios)
+    return f"- {name}: its account of full fine-tuning's time against the full runs': {each} ({cell(ratios, digits=2)})"
 
 
 def drift_lines(grouped: dict[str, list[dict[str, Any]]]) -> list[str]:

@@ -36,7 +36,7 @@ CODE = CodeProvenance(Path("/src/lightning_elastic"), "a" * 40, dirty=False)
 PRESETS = sorted(path.stem for path in (CONF / "benchmark").glob("*.yaml"))
 CSV_COLUMNS = [
     "method", "seed", "metric", "wall_s", "speedup_vs_full", "train_speedup_vs_full", "asked_speedup", "callback_fit_speedup",
-    "overhead_share", "excess_share", "train_s", "validation_s", "validation_vs_full", "steps", "mean_step_ms", "best_acc",
+    "full_estimate_vs_full_run", "overhead_share", "excess_share", "train_s", "validation_s", "validation_vs_full", "steps", "mean_step_ms", "best_acc",
     "final_acc", "test_acc", "val_images", "test_images", "time_to_target_s", "peak_memory_mb", "energy_wh", "energy_source", "cpu_share", "trained_tensors",
     "total_tensors", "offline_s", "profile_s", "probe_s", "select_s", "log_s", "freeze_s", "full_step_ms", "selected_step_ms",
     "step_fraction", "step_vs_full_run", "predicted_step_ms", "selections", "changed_selections", "mean_tensors_changed",
@@ -106,7 +106,7 @@ def _run(method: str, kind: str, seed: int, wall: float, accuracies: list[float]
 # An elastic run's own figures, for the tables
 ELASTIC = {
     "elastic": {"profile_seconds": 3.0, "probe_seconds": 2.0, "probe_excess_seconds": 1.0, "select_seconds": 0.01,
-                "log_seconds": 0.25, "full_step_seconds": 0.4,
+                "log_seconds": 0.25, "full_step_seconds": 0.4, "full_fit_seconds": 45.0,
                 "selected_step_seconds": 0.2, "measured_speedup": 2.0, "selections": 3.0},
     "freeze_seconds": 0.002, "mask_changes": [0, 2], "speedup": 2.0,
 }  # fmt: skip
@@ -130,6 +130,10 @@ def test_tables_compare_each_run_with_full_fine_tuning_of_the_same_seed(tmp_path
     assert math.isnan(by["head_only", 0]["time_to_target_s"]) and by["head_only", 1]["time_to_target_s"] == 30.0
     assert by["elastic_2x", 0]["step_fraction"] == 0.5 and by["elastic_2x", 0]["changed_selections"] == 1
     assert by["elastic_2x", 1]["step_vs_full_run"] == pytest.approx(0.2 / 6.0)  # full's mean step: 120 s / 20
+    # the fit's account of full fine-tuning's 10 steps (45 s) against what they took: 10 x 5 s, 10 x 6 s
+    assert by["elastic_2x", 0]["full_estimate_vs_full_run"] == pytest.approx(0.9)
+    assert by["elastic_2x", 1]["full_estimate_vs_full_run"] == pytest.approx(0.75)
+    assert math.isnan(by["head_only", 0]["full_estimate_vs_full_run"])
     assert by["elastic_2x", 0]["energy_wh"] == 1.0
     # the contract's figure leaves validation (1 s in every run) out: (100 - 1) / (50 - 1)
     assert by["elastic_2x", 0]["train_speedup_vs_full"] == pytest.approx(99 / 49)
@@ -177,6 +181,8 @@ def test_the_contract_is_shown_also_scaled_by_the_host_speed_that_validation_wit
     assert (
         "- elastic_2x: asked 2x, got 1.67 ± 0.47x: **missed**; scaled by the host's speed (each run's validation time "
         "against its full run's, the same work: 1.50, 1.00) 2.00 ± 0.00x\n"
+        # the fits' accounts of full fine-tuning's 10 steps (45 s) against the full runs' 10 x 5.05 s and 10 x 4.05 s
+        "- elastic_2x: its account of full fine-tuning's time against the full runs': 0.89, 1.11 (1.00 ± 0.16)\n"
     ) in markdown_report(cfg, rows, 60.0, CODE)
     # no validation in the full runs: no witness, the figure alone
     unvalidated = [dict(r, validation_vs_full=math.nan) for r in rows]
