@@ -10,7 +10,11 @@ prediction either way, whether the device sped up or the time model is off (whic
 Every step runs the same forward pass, whatever it trains: its seconds, against those of the window's steps, are the
 device's pace. A forward pass with fewer tensors to train records less for autograd: MiniLM's took 0.215-0.22 s with
 10 of 103 tensors trained against 0.23-0.24 s with all of them, so a pace within PACE_BAND of 1 is read as 1, and a
-pace beyond it counts only what lies beyond (a soft threshold, with no jump at the band's edge).
+pace beyond it counts only what lies beyond (a soft threshold, with no jump at the band's edge). On Lite0 at 96 px
+the same effect ranged from 0.77-0.82 (one process) to 0.93-0.95 (another), so the band is a compromise, measured
+over 64 benchmarked fits (docs/results.md, 2026-12-07): the plan's estimate of full fine-tuning's time came out
+0.96 +- 0.11 of the full runs' with the pace, 1.00 +- 0.15 without it; a band of 0.15-0.30 on the quicker side
+only took the bias away with the spread coming back (0.98 +- 0.12 to 0.99 +- 0.14), no nearer on the whole.
 
 Pure arithmetic: the callback times the forward passes (`timing.StepClock.forward`), the plan keeps the pace.
 """
