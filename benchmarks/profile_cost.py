@@ -77,7 +77,7 @@ def instrument() -> None:
     timed(passes.Runner, "_timed_backward", "  of which hooked backward")
     timed(attribution.Structure, "__init__", "attribution: structure")
     timed(attribution.Structure, "costs", "attribution: costs")
-    timed(passes, "suffix_times", "plain timings of the full step")
+    timed(passes, "full_step_times", "plain timings of the full step")
     timed(passes.Runner, "plain", "  of which plain passes")
     timed(runner, "store", "cache write")
     timed(runner, "load_cached", "cache read")

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_elastic.profiling.attribution import RawCosts, Structure
 from lightning_elastic.profiling.cache import cache_key
-from lightning_elastic.profiling.calibration import suffix_times
+from lightning_elastic.profiling.calibration import full_step_times
 from lightning_elastic.profiling.flops import default_mem_weight, op_costs, tensors_in
 from lightning_elastic.profiling.graph import (
     ACCUMULATE_GRAD,
@@ -306,7 +306,7 @@ class Runner:
         The plain full step is the training step's backward pass (`backward`) after a plain forward pass (the
         quicker of it and `forward`, another pass's forward: a disturbed one is slower), unless that backward took
         more than `FIRST_BACKWARD_MAX` forwards to be a steady one; else a full step of its own, bracketed by plain
-        forward passes and re-timed while they say the machine is disturbed (`calibration.suffix_times`). One
+        forward passes and re-timed while they say the machine is disturbed (`calibration.full_step_times`). One
         scale for every tensor: how selections compare is the hooks' or the counts' (docs/time_model.md: a
         round of plain steps at five selections, which rescaled each quarter of the backward pass on its own, cost
         about four full steps and ranked selections as well on six of eight models and inputs, better on Lite0 at
@@ -324,7 +324,7 @@ class Runner:
                 backward = None
         if backward is None:
             self.progress(3, PHASES, f"plain timings of a full step, {repeats} or more rounds")
-            t_fw, (t_full,) = suffix_times(self.plain, n, order, [0], repeats)
+            t_fw, t_full = full_step_times(self.plain, n, repeats)
         t_dw, t_dy, t_tail = raw.model()
         full_backward = (suffix_costs(t_dw, t_dy)[0] if t_dw else 0.0) + t_tail  # the time model's, all trained
         # A backward pass never takes no time; the floor only keeps noise on tiny models from zeroing it.

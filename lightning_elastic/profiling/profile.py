@@ -104,7 +104,7 @@ class TimingProfile:
             for key, value in times.items()
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf
         ]
-        if not problems and self.t_fw > self.t_full:  # timings of a busy machine (`calibration.suffix_times`)
+        if not problems and self.t_fw > self.t_full:  # timings of a busy machine (`calibration.full_step_times`)
             problems.append(f"`t_fw` must be at most `t_full` (the forward is part of the step), got {self.t_fw!r}")
         if self.method not in get_args(TimingMethod):
             problems.append(f"`method` must be one of {get_args(TimingMethod)}, got {self.method!r}")

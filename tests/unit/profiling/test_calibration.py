@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_elastic.profiling.calibration import quiet_rounds, suffix_times
+from lightning_elastic.profiling.calibration import full_step_times, quiet_rounds
 
 
 def fake_plain(seconds: list[float]) -> tuple[list[list[bool]], Callable[[list[bool]], tuple[float, float]]]:
@@ -25,20 +25,28 @@ def fake_plain(seconds: list[float]) -> tuple[list[list[bool]], Callable[[list[b
     return timed, plain
 
 
-def test_suffix_times_times_each_suffix_of_the_forward_order() -> None:
+def test_full_step_times_times_every_tensor_trained_between_two_witnesses() -> None:
     timed, plain = fake_plain([1.0] * 10)
-    # tensor 3 is not in the order (unused, or hidden from the walked graph); the forward order is 2, 0, 1. The full
-    # step (knot 0) trains every tensor, tensor 3 too: a hidden one then gets its gradient (`Runner.hidden`), and an
-    # unused one costs a real step nothing (the fake charges 1 s a flag).
-    t_fw, times = suffix_times(plain, 4, [2, 0, 1], [0, 2], repeats=1)
-    assert (t_fw, times) == (1.0, [5.0, 2.0])
-    assert timed == [[False] * 4, [True, True, True, True], [False, True, False, False], [False] * 4]
+    # every tensor is trained, also one the walked graph did not show (a hidden one then gets its gradient,
+    # `Runner.hidden`; an unused one costs a real step nothing, the fake charges 1 s a flag)
+    assert full_step_times(plain, 4, repeats=1) == (1.0, 5.0)
+    assert timed == [[False] * 4, [True] * 4, [False] * 4]
 
 
-def test_suffix_times_adds_rounds_while_the_machine_is_disturbed_then_warns() -> None:
+def test_a_full_step_beside_a_disturbed_witness_is_timed_again_and_left_out() -> None:
+    witnesses, steps = iter([1.0, 1.5, 1.0, 1.0]), iter([9.0, 7.0, 5.0])
+
+    def plain(mask: list[bool]) -> tuple[float, float]:
+        return (next(witnesses), 0.0) if not any(mask) else (1.0, next(steps))
+
+    # the first two steps each have the slow witness (1.5, over 1.2x the fastest) beside them; the third is kept
+    assert full_step_times(plain, 2, repeats=1) == (1.0, 5.0)
+
+
+def test_full_step_times_adds_rounds_while_the_machine_is_disturbed_then_warns() -> None:
     timed, plain = fake_plain([1.0] + [2.0] * 6)  # the witness stays far above its fastest
     with pytest.warns(UserWarning, match=r"repeated timings of the same step differ too much .* after 6 rounds"):
-        t_fw, _ = suffix_times(plain, 2, [0, 1], [0], repeats=2)
+        t_fw, _ = full_step_times(plain, 2, repeats=2)
     assert len(timed) == 1 + 6 * 2  # NOISE_ROUNDS * repeats rounds, each a step and a witness
     assert t_fw == 1.0  # the disturbed witnesses (2 s) are bounded by the forward part of the full steps (1 s)
 
@@ -57,8 +65,8 @@ def test_the_forward_pass_never_comes_out_longer_than_the_full_step_that_contain
     for _ in range(20):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # it may say the rounds differ too much: beside the point here
-            t_fw, times = suffix_times(plain, 3, [0, 1, 2], [0, 2], repeats=2)
-        assert 0 < t_fw <= times[0]
+            t_fw, t_full = full_step_times(plain, 3, repeats=2)
+        assert 0 < t_fw <= t_full
 
 
 def test_quiet_rounds_need_both_witnesses_near_the_fastest() -> None:
