@@ -63,14 +63,15 @@ COLD_CEILING, COLD_SAMPLES, COLD_STEPS = 1.2, 2, 3
 WARM_SPREAD, WARM_STEPS = 1.1, 2
 
 
-def first_window() -> int:
-    """Optimizer steps of the first probe window that measures `T`: the process's warm-up steps, then steady ones.
+def first_window(warmup_steps: int | None = None) -> int:
+    """Optimizer steps of the first probe window that measures `T`: the process's warm-up steps (`warmup_steps`, else
+    WARMUP_STEPS, read when called), then FIRST_STEADY_STEPS steady ones.
 
     Example:
-        >>> first_window()
-        6
+        >>> first_window(), first_window(PROFILED_WARMUP_STEPS)
+        (6, 3)
     """
-    return WARMUP_STEPS + FIRST_STEADY_STEPS
+    return (WARMUP_STEPS if warmup_steps is None else warmup_steps) + FIRST_STEADY_STEPS
 
 
 def cold_window_runs_on(

@@ -109,7 +109,7 @@ def after_profile(
         return schedule
     first = schedule.first_steps
     if warmup_steps < warmup.WARMUP_STEPS and schedule.first_probe_steps == warmup.first_window():
-        first = warmup_steps + warmup.FIRST_STEADY_STEPS
+        first = warmup.first_window(warmup_steps)
     saved = schedule.first_steps - first  # what the shorter first window leaves the later ones
     total = int(schedule.total_steps)
     probes = auto_probe_plan(total, selections, speedup, schedule.period, spent - saved)

@@ -68,7 +68,7 @@ INSTRUMENTED_STEPS = 2
 # within the spread (docs/results.md, 2026-11-27).
 FORWARD_SHARE = 1 / 3
 # The first probe window after a timed profile, in full steps: its warm-up step, then the steady samples of `T`.
-FIRST_WINDOW = warmup.PROFILED_WARMUP_STEPS + warmup.FIRST_STEADY_STEPS
+FIRST_WINDOW = warmup.first_window(warmup.PROFILED_WARMUP_STEPS)
 
 
 class ProfileChoice(NamedTuple):
