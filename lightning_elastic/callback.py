@@ -206,12 +206,12 @@ class ElasticTensorSelection(Callback):
         choice = ProfileChoice.for_fit(trainer, pl_module, settings.time_model, total, settings.speedup, fresh)
         prof = reusable_profile(trainer, pl_module, settings.profile, restored, self._profile, choice)
         self._choice, timed = choice, False
-        if prof is None:
-            choice.announce(pl_module, settings.speedup, cache_on=settings.cache_dir is not False)
+        if prof is None:  # measured or read from the cache, which says which (`measure_profile`)
             if choice.first_step:  # see FirstStep
                 self._first = FirstStep(pl_module.device, settings.clock, settings.clock() - started, choice.counts)
                 return
-            prof, timed = measure_profile(trainer, pl_module, choice, resolve_cache_dir(settings.cache_dir))
+            cache_dir = resolve_cache_dir(settings.cache_dir)
+            prof, timed = measure_profile(trainer, pl_module, choice, cache_dir, settings.speedup)
         fit = self._begin(trainer, pl_module, prof, settings.clock() - started, timed)
         # A fit resumed mid-epoch (where `every_n_train_steps` checkpoints are) gets no `on_train_epoch_start` before
         # its first step: its step is timed, and the restored selection's BatchNorm modes are set, from here.
@@ -227,7 +227,7 @@ class ElasticTensorSelection(Callback):
         self._first = None
         clock, cache_dir = self._settings.clock, resolve_cache_dir(self._settings.cache_dir)
         started = clock()
-        prof, timed = measure_profile(trainer, pl_module, self._choice, cache_dir, first)
+        prof, timed = measure_profile(trainer, pl_module, self._choice, cache_dir, self._settings.speedup, first)
         fit = self._begin(trainer, pl_module, prof, clock() - started + first.setup_seconds, timed)
         fit.enter_at_step(trainer, math.fsum(first.timer.pop()))
 

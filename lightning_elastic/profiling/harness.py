@@ -167,9 +167,10 @@ class ProfileChoice(NamedTuple):
             return "less than one training step"
         return f"about {steps} training step{'' if steps == 1 else 's'}"
 
-    def announce(self, module: nn.Module, speedup: float, cache_on: bool) -> None:
-        """Say what profiling is about to cost, before it starts, and why "auto" took the analytic model; with
-        `cache_on` (a cache directory is on), that a cached profile would be read instead."""
+    def opening(self, module: nn.Module, speedup: float, cache_on: bool) -> str:
+        """The line said as profiling starts to time (`PhaseLines`: not said when the cache has the profile): what it
+        costs, why "auto" took the analytic model, and with `cache_on` (a cache directory is on) that later fits read
+        it."""
         count = sum(p.requires_grad for p in module.parameters())
         when = "after the first training step's backward pass" if self.first_step else "on the first batch"
         timed = "scaled to this step's backward pass" if self.first_backward else "one timed step"
@@ -188,11 +189,10 @@ class ProfileChoice(NamedTuple):
                 if room < 1.0:
                     why += f" ({share:.0%}, scaled to the room a selected step has above the forward pass)"
             why += "; time_model='measured' measures anyway"
-        instead = "; a cached profile of this model on this device is used instead when there is one"
-        instead = instead if cache_on else ""
-        rank_zero_info(
+        cached = "; not in the cache yet: later fits of this model on this device read it from there"
+        return (
             f"ElasticTensorSelection: profiling {count} tensors {when}, {what} ({self._cost()}, "
-            f"more on a busy machine{instead}{why})"
+            f"more on a busy machine{cached if cache_on else ''}{why})"
         )
 
 
@@ -201,9 +201,11 @@ def measure_profile(
     pl_module: L.LightningModule,
     choice: ProfileChoice,
     cache_dir: Path | None,
+    speedup: float,
     first: FirstStep | None = None,
 ) -> Measured:
-    """Profile the real training step on the first training batch (or read it from the cache).
+    """Profile the real training step on the first training batch (or read it from the cache), saying so
+    (`ProfileChoice.opening`, then one line a phase: `PhaseLines`) once it is not in the cache.
 
     With `first`, on the batch of the fit's first step, which has just run its forward and backward pass: its
     signature keys the cache, so profiling takes no pass of its own for it, if its inputs have the shapes of the
@@ -224,7 +226,7 @@ def measure_profile(
             batch, signature, counted = first.batch, first.signature, first.counted
             backward = first.backward if choice.first_backward else None
         batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
-        phases = PhaseLines()
+        phases = PhaseLines(choice.opening(pl_module, speedup, cache_on=cache_dir is not None))
         with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
             profiled = profile(
                 pl_module,
@@ -254,16 +256,24 @@ class Measured(NamedTuple):
 
 class PhaseLines:
     """One rank-zero line as each profiling phase starts, with the seconds spent so far (a large model's profile
-    takes minutes, and says where it is); and whether the timing passes ran (`timed`), which a cached profile skips."""
+    takes minutes, and says where it is); and whether the timing passes ran (`timed`), which a cached profile skips.
+    Phase 1 (the fingerprint, with which a profile read from the cache ends) is held back, and said after `opening`
+    as phase 2 starts: a fit that reads its profile is told so (`messages`), not that profiling starts.
+    """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, opening: str = "", clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock, self.start, self.timed = clock, clock(), False
+        self.held = [opening] if opening else []
 
     def __call__(self, k: int, n: int, what: str) -> None:
         self.timed = self.timed or k >= 2  # phase 1 is the fingerprint, which a cached profile ends with
-        rank_zero_info(
-            f"ElasticTensorSelection: profiling, phase {k} of {n}: {what} ({self.clock() - self.start:.1f} s so far)"
-        )
+        line = f"ElasticTensorSelection: profiling, phase {k} of {n}: {what} ({self.clock() - self.start:.1f} s so far)"
+        if k < 2:
+            self.held.append(line)
+            return
+        for said in [*self.held, line]:
+            rank_zero_info(said)
+        self.held = []
 
 
 @contextmanager

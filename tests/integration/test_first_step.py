@@ -71,19 +71,31 @@ def elastic(cache_dir: Path | bool, **kwargs: Any) -> ElasticTensorSelection:
 
 
 def test_profiling_takes_no_fingerprint_pass_and_a_cached_profile_costs_no_pass_at_all(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """... and a fit that reads its profile from the cache says so alone, not that it profiles."""
     signatures: list[int] = []
     own_pass = Runner.signature
     monkeypatch.setattr(Runner, "signature", lambda self: signatures.append(1) or own_pass(self))
     first, timing = Counted(), elastic(tmp_path)
-    tiny_trainer(callbacks=[timing], max_steps=8).fit(first, tiny_data())
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[timing], max_steps=8).fit(first, tiny_data())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ElasticTensorSelection: ")]
+    assert said[0].startswith("ElasticTensorSelection: profiling 10 tensors after the first training step's backward")
+    assert "not in the cache yet: later fits of this model on this device read it from there" in said[0]
+    assert [line.split(": ", 2)[1] for line in said[1:4]] == [f"profiling, phase {k} of 3" for k in (1, 2, 3)]
+    assert " tensors profiled on cpu" in said[4]
+    caplog.clear()
     assert signatures == []  # the first step's own pass was the fingerprint's
     assert first.calls > 8  # 8 steps and the profile's passes
     assert timing._fit is not None and not timing._fit.warmup.cold  # its timing passes warmed the process up
     again = Counted()
     callback = elastic(tmp_path)
-    tiny_trainer(callbacks=[callback], max_steps=8).fit(again, tiny_data())
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[callback], max_steps=8).fit(again, tiny_data())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ElasticTensorSelection: ")]
+    assert said[0].startswith("ElasticTensorSelection: 10 tensors profiled earlier (a profile read, not timed")
+    assert not any("profiling" in line for line in said)  # neither the opening nor a phase: nothing was profiled
     assert again.calls == 8  # the cache was found with the first step's fingerprint: no pass of profiling
     assert signatures == []
     assert callback.timing_profile is not None and callback.timing_profile.profile_seconds > 0  # read, not measured

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from torch import nn
 
@@ -63,23 +61,21 @@ def test_the_documented_boundary_holds() -> None:
     assert ProfileChoice.of("auto", 400, 3.0, **cpu).method == "flops"  # Fashion-MNIST's fit at 3x
 
 
-def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analytic_model(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    class Module(nn.Module):  # announce reads the module's trainable tensors only
+def test_the_opening_line_says_what_profiling_costs_and_why_auto_took_the_analytic_model() -> None:
+    class Module(nn.Module):  # the opening reads the module's trainable tensors only
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
 
     module = Module()
     module.b.bias.requires_grad_(False)
-    with caplog.at_level(logging.INFO):
-        ProfileChoice.of("auto", 90, 2.0, first_step=True, first_backward=True).announce(module, 2.0, cache_on=True)
-        ProfileChoice.of("measured", 90, 2.0, first_step=False).announce(module, 2.0, cache_on=False)
-        ProfileChoice.of("auto", 400, 2.5, first_step=True).announce(module, 2.5, cache_on=True)
-        ProfileChoice.of("auto", 400, 3.0, first_step=True).announce(module, 3.0, cache_on=True)
-        ProfileChoice.of("auto", 128, 2.97, first_step=True).announce(module, 2.97, cache_on=True)  # little room left
-    said = [r.getMessage() for r in caplog.records]
+    said = [
+        ProfileChoice.of("auto", 90, 2.0, first_step=True, first_backward=True).opening(module, 2.0, cache_on=True),
+        ProfileChoice.of("measured", 90, 2.0, first_step=False).opening(module, 2.0, cache_on=False),
+        ProfileChoice.of("auto", 400, 2.5, first_step=True).opening(module, 2.5, cache_on=True),
+        ProfileChoice.of("auto", 400, 3.0, first_step=True).opening(module, 3.0, cache_on=True),
+        ProfileChoice.of("auto", 128, 2.97, first_step=True).opening(module, 2.97, cache_on=True),  # little room left
+    ]
     assert said[0].startswith("ElasticTensorSelection: profiling 3 tensors after the first training step's backward")
     assert "analytic time model (op counts, scaled to this step's backward pass) (less than one training step," in said[0]
     assert "time_model='auto': a measured profile (about 2 training steps)" in said[0]  # 2.33: `ProfileChoice.steps`
@@ -88,8 +84,8 @@ def test_the_announcement_says_what_profiling_costs_and_why_auto_took_the_analyt
         "measures anyway"
     ) in said[0]
     assert "measured (about 5 training steps" in said[1] and "time_model='auto'" not in said[1]  # 4.67
-    assert "a cached profile of this model on this device is used instead" in said[0]
-    assert "cached profile" not in said[1]  # `cache_dir=False`: no cache is read
+    assert "; not in the cache yet: later fits of this model on this device read it from there;" in said[0]
+    assert "cache" not in said[1]  # `cache_dir=False`: no cache is read nor written
     assert "would be more than 2% of this fit (5%, scaled to the room a selected step has above the forward" in said[2]
     assert "would eat the little room a selected step has above the forward pass at 3x" in said[3]
     assert "would be more than 0.1% of this fit (5%, scaled to the room" in said[4]  # it read "more than 0%"
