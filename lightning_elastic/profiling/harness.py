@@ -189,7 +189,7 @@ class ProfileChoice(NamedTuple):
                 if room < 1.0:
                     why += f" ({share:.0%}, scaled to the room a selected step has above the forward pass)"
             why += "; time_model='measured' measures anyway"
-        cached = "; not in the cache yet: later fits of this model on this device read it from there"
+        cached = "; kept in the cache for later fits that profile this model on this device the same way"
         return (
             f"ElasticTensorSelection: profiling {count} tensors {when}, {what} ({self._cost()}, "
             f"more on a busy machine{cached if cache_on else ''}{why})"
@@ -226,8 +226,8 @@ def measure_profile(
             batch, signature, counted = first.batch, first.signature, first.counted
             backward = first.backward if choice.first_backward else None
         batch_idx = 0 if first is None else first.batch_idx  # the branch of `training_step` the fit's first step took
-        phases = PhaseLines(choice.opening(pl_module, speedup, cache_on=cache_dir is not None))
-        with training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
+        opening = choice.opening(pl_module, speedup, cache_on=cache_dir is not None)
+        with PhaseLines(opening) as phases, training_step(trainer, pl_module, batch, batch_idx) as compute_loss:
             profiled = profile(
                 pl_module,
                 compute_loss,
@@ -258,22 +258,33 @@ class PhaseLines:
     """One rank-zero line as each profiling phase starts, with the seconds spent so far (a large model's profile
     takes minutes, and says where it is); and whether the timing passes ran (`timed`), which a cached profile skips.
     Phase 1 (the fingerprint, with which a profile read from the cache ends) is held back, and said after `opening`
-    as phase 2 starts: a fit that reads its profile is told so (`messages`), not that profiling starts.
+    as phase 2 starts: a fit that reads its profile is told so (`messages`), not that profiling starts. Used as a
+    context, it says what it held when profiling fails before phase 2 (above the error, as before it held them).
     """
 
-    def __init__(self, opening: str = "", clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, opening: str, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock, self.start, self.timed = clock, clock(), False
-        self.held = [opening] if opening else []
+        self.held = [opening]
 
     def __call__(self, k: int, n: int, what: str) -> None:
         self.timed = self.timed or k >= 2  # phase 1 is the fingerprint, which a cached profile ends with
         line = f"ElasticTensorSelection: profiling, phase {k} of {n}: {what} ({self.clock() - self.start:.1f} s so far)"
-        if k < 2:
-            self.held.append(line)
-            return
-        for said in [*self.held, line]:
-            rank_zero_info(said)
+        self.held.append(line)
+        if k >= 2:
+            self.flush()
+
+    def flush(self) -> None:
+        """Say the lines held back."""
+        for line in self.held:
+            rank_zero_info(line)
         self.held = []
+
+    def __enter__(self) -> PhaseLines:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            self.flush()
 
 
 @contextmanager

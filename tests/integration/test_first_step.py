@@ -82,7 +82,7 @@ def test_profiling_takes_no_fingerprint_pass_and_a_cached_profile_costs_no_pass_
         tiny_trainer(callbacks=[timing], max_steps=8).fit(first, tiny_data())
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ElasticTensorSelection: ")]
     assert said[0].startswith("ElasticTensorSelection: profiling 10 tensors after the first training step's backward")
-    assert "not in the cache yet: later fits of this model on this device read it from there" in said[0]
+    assert "kept in the cache for later fits that profile this model on this device the same way" in said[0]
     assert [line.split(": ", 2)[1] for line in said[1:4]] == [f"profiling, phase {k} of 3" for k in (1, 2, 3)]
     assert " tensors profiled on cpu" in said[4]
     caplog.clear()
@@ -95,12 +95,20 @@ def test_profiling_takes_no_fingerprint_pass_and_a_cached_profile_costs_no_pass_
         tiny_trainer(callbacks=[callback], max_steps=8).fit(again, tiny_data())
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ElasticTensorSelection: ")]
     assert said[0].startswith("ElasticTensorSelection: 10 tensors profiled earlier (a profile read, not timed")
-    assert not any("profiling" in line for line in said)  # neither the opening nor a phase: nothing was profiled
+    assert not any(line.startswith("ElasticTensorSelection: profiling") for line in said)  # no opening, no phase
     assert again.calls == 8  # the cache was found with the first step's fingerprint: no pass of profiling
     assert signatures == []
     assert callback.timing_profile is not None and callback.timing_profile.profile_seconds > 0  # read, not measured
     assert callback._fit is not None and callback._fit.warmup.cold  # no timing pass: its first window may run on
     assert len(list(tmp_path.glob("timing-*.json"))) == 1
+
+
+def test_a_fit_without_a_cache_says_it_profiles_and_nothing_of_a_cache(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        tiny_trainer(callbacks=[elastic(False)], max_steps=8).fit(Counted(), tiny_data())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ElasticTensorSelection: profiling")]
+    assert said[0].startswith("ElasticTensorSelection: profiling 10 tensors after the first training step's backward")
+    assert "cache" not in said[0] and len(said) == 4  # the opening, then phases 1-3
 
 
 def test_auto_profiles_a_short_fit_analytically_says_why_and_takes_a_cached_measured_profile_first(

@@ -84,7 +84,7 @@ def test_the_opening_line_says_what_profiling_costs_and_why_auto_took_the_analyt
         "measures anyway"
     ) in said[0]
     assert "measured (about 5 training steps" in said[1] and "time_model='auto'" not in said[1]  # 4.67
-    assert "; not in the cache yet: later fits of this model on this device read it from there;" in said[0]
+    assert "; kept in the cache for later fits that profile this model on this device the same way;" in said[0]
     assert "cache" not in said[1]  # `cache_dir=False`: no cache is read nor written
     assert "would be more than 2% of this fit (5%, scaled to the room a selected step has above the forward" in said[2]
     assert "would eat the little room a selected step has above the forward pass at 3x" in said[3]

@@ -374,25 +374,33 @@ def test_each_phase_is_announced_once_and_a_cached_profile_ends_after_the_finger
 
 def test_the_fit_prints_one_line_per_profiling_phase_once_timing_starts(caplog: pytest.LogCaptureFixture) -> None:
     """The opening and phase 1 (the fingerprint, where a profile read from the cache ends) are said as phase 2
-    starts, before it; a profile read says nothing here (`messages` says it was read)."""
-    seconds = iter([10.0, 10.5, 14.0, 20.0, 20.1])
-    announce = PhaseLines("ElasticTensorSelection: profiling 3 tensors ...", clock=lambda: next(seconds))
-    with caplog.at_level(logging.INFO):
-        announce(1, 3, "the step's fingerprint (one forward and backward pass)")
-        assert not announce.timed and not caplog.records  # a cached profile ends here, with nothing said
-        announce(2, 3, "6 instrumented passes")
-        assert announce.timed
+    starts, before it; a profile read says nothing here (`messages` says it was read); profiling that fails before
+    phase 2 says what was held, above the error."""
+    seconds = iter([10.0, 10.5, 14.0, 20.0, 20.1, 30.0, 30.2])
+    with caplog.at_level(logging.INFO), PhaseLines("opening", clock=lambda: next(seconds)) as phases:
+        phases(1, 3, "the step's fingerprint (one forward and backward pass)")
+        assert not phases.timed and not caplog.records  # a cached profile ends here, with nothing said
+        phases(2, 3, "6 instrumented passes")
+        assert phases.timed
     assert [r.getMessage() for r in caplog.records] == [
-        "ElasticTensorSelection: profiling 3 tensors ...",
+        "opening",
         "ElasticTensorSelection: profiling, phase 1 of 3: the step's fingerprint (one forward and backward pass) "
         "(0.5 s so far)",
         "ElasticTensorSelection: profiling, phase 2 of 3: 6 instrumented passes (4.0 s so far)",
     ]
     caplog.clear()
-    read = PhaseLines("ElasticTensorSelection: profiling 3 tensors ...", clock=lambda: next(seconds))
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO), PhaseLines("opening", clock=lambda: next(seconds)) as read:
         read(1, 3, "the step's fingerprint, taken from the training step that just ran")
     assert not read.timed and not caplog.records
+    failing = PhaseLines("opening", clock=lambda: next(seconds))
+    with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="out of memory"), failing:
+        failing(1, 3, "the step's fingerprint (one forward and backward pass)")
+        raise RuntimeError("out of memory")
+    assert [r.getMessage() for r in caplog.records] == [
+        "opening",
+        "ElasticTensorSelection: profiling, phase 1 of 3: the step's fingerprint (one forward and backward pass) "
+        "(0.2 s so far)",
+    ]
 
 
 def test_a_cached_profile_of_a_method_asked_first_is_taken_before_anything_is_timed(tmp_path: Path) -> None:
