@@ -43,7 +43,7 @@ from lightning_elastic.records import Decision, Mask, SelectionRecord
 from lightning_elastic.schedule import Schedule
 from lightning_elastic.startup import check_dense, profiled_parameters
 from lightning_elastic.summary import TOTALS
-from lightning_elastic.terms import mean_over_ranks, off_plan
+from lightning_elastic.terms import mean_over_ranks, off_plan, steady_update
 from lightning_elastic.timing import StepClock
 from lightning_elastic.units import Units
 from lightning_elastic.warmup import FirstWindow
@@ -234,6 +234,8 @@ class FitSession:
         samples = self.warmup.take_samples(self.probe_full, self.plan.full_step) if first else self.probe_full
         timed = zip_longest(self.probe_full, self.probe_forward, fillvalue=0.0)  # 0: a step whose forward was not timed
         self.plan.observe_full_steps(samples, [forward for step, forward in timed if step in samples])
+        updates = zip(self.probe_full, self.probe_optimizer, strict=False)  # none from a checkpoint that kept none
+        self.probe_optimizer = [update for step, update in updates if step in samples]  # the samples' (`steady_update`)
         if first:
             self.plan.full_step += self.prior_update  # 0 once the window measured a steady step
         if self.plan.full_samples and self.warmup.full_steps:  # against a measured `T` (a prior may be off), anew
@@ -249,7 +251,8 @@ class FitSession:
         one_pass = trainer.accumulate_grad_batches == 1  # `t_step` is a step of one micro-batch (`step_profile`)
         if not (measured or self.warmup.cold) and self.plan.full_samples and trainer.is_global_zero and one_pass:
             started = self.settings.clock()
-            remember_step(resolve_cache_dir(self.settings.cache_dir), self.profile, self.plan.full_step)
+            cache_dir = resolve_cache_dir(self.settings.cache_dir)
+            remember_step(cache_dir, self.profile, self.plan.full_step, steady_update(self))
             self.charge_start(self.settings.clock() - started)
         self.pending_selection = self.schedule.selects_at_epoch_start(end)
         return not self.pending_selection

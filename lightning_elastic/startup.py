@@ -155,9 +155,10 @@ def _callback(trainer: L.Trainer, kind: type[C]) -> C | None:
 
 def step_profile(trainer: L.Trainer, prof: TimingProfile) -> TimingProfile:
     """`prof` (one pass) as the profile of one optimizer step of the epoch under way: the pass once a micro-batch.
-    With more than one, `t_step` (a step of one micro-batch, remembered by an earlier fit) is no reference: 0."""
+    With more than one, `t_step` and its `t_update` (a step of one micro-batch, remembered by an earlier fit) are no
+    reference: 0."""
     k = accumulation(trainer, trainer.current_epoch)
-    return prof if k == 1 else replace(prof.scaled(k), t_step=0.0)
+    return prof if k == 1 else replace(prof.scaled(k), t_step=0.0, t_update=0.0)
 
 
 def epoch_lengths(trainer: L.Trainer) -> tuple[tuple[int, ...] | float, int | None]:

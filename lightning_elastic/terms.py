@@ -47,9 +47,14 @@ def _local_figures(fit: FitSession) -> tuple[float, float, float]:
     `prior_update`) and its optimizer update (the steady probe steps' mean, else `prior_update`), both at the
     device's pace now (`WallClockPlan.pace`), and its loop (the median of the latest measured,
     `StepClock.loop_seconds`)."""
+    return fit.plan.full_step_now, steady_update(fit) * fit.plan.pace, fit.clock.loop_seconds()
+
+
+def steady_update(fit: FitSession) -> float:
+    """A full step's optimizer update on this rank: the mean of the last probe window's steady steps', else
+    `FitSession.prior_update`."""
     probed = fit.probe_optimizer
-    optimizer = math.fsum(probed) / len(probed) if probed else fit.prior_update
-    return fit.plan.full_step_now, optimizer * fit.plan.pace, fit.clock.loop_seconds()
+    return math.fsum(probed) / len(probed) if probed else fit.prior_update
 
 
 def _local_target(fit: FitSession, step: int) -> float:

@@ -101,18 +101,21 @@ def cache_file(cache_dir: Path, fingerprint: str) -> Path:
     return cache_dir / f"timing-{fingerprint[:24]}.json"
 
 
-def remember_step(cache_dir: Path | None, prof: TimingProfile, seconds: float) -> None:
+def remember_step(cache_dir: Path | None, prof: TimingProfile, seconds: float, update: float = 0.0) -> None:
     """Keep `seconds`, a steady full training step measured with `prof`, as `t_step` in the cache's entry of the
-    same fingerprint: only an entry there already (a profile given by the user or a checkpoint enters no cache), its
-    timings as they were. An entry that cannot be read or written is left as it is, with a warning: the fit goes on.
+    same fingerprint, and `update`, its optimizer update, as `t_update` (0, not known, unless less than the step):
+    only an entry there
+    already (a profile given by the user or a checkpoint enters no cache), its timings as they were. An entry that
+    cannot be read or written is left as it is, with a warning: the fit goes on.
     """
     if cache_dir is None or not 0 < seconds < math.inf:
         return
+    update = update if 0 <= update < seconds else 0.0
     path = cache_file(cache_dir, prof.fingerprint)
     try:
         if not path.exists() or (cached := read_profile(path)).fingerprint != prof.fingerprint:
             return
-        store(path, replace(cached, t_step=seconds))
+        store(path, replace(cached, t_step=seconds, t_update=update))
     except (OSError, ValueError) as err:  # a stale format is a ValueError too
         warnings.warn(
             f"Timing profile cache {path} could not keep this fit's steady full step ({err}); a later process with "

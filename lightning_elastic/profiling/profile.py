@@ -55,6 +55,8 @@ class TimingProfile:
         t_step: seconds of a steady full training step (forward, backward and the optimizer's update of every
             tensor) that a fit with this profile measured in the first probe window that timed one (`remember_step`);
             0 until one did. A later process's first window knows by it when it is warm (`warmup.cold_window_runs_on`).
+        t_update: seconds of that step's optimizer update, measured with `t_step` (0: not known); the check before
+            a later fit's first update shares it out by elements, as that fit's selections will (`begin`).
 
     Example:
         >>> p = TimingProfile(names=("a", "b"), t_dw=(2.0, 1.0), t_dy=(0.0, 3.0), t_fw=4.0, t_full=10.0,
@@ -78,6 +80,7 @@ class TimingProfile:
     profile_seconds: float = 0.0
     t_step: float = 0.0
     shapes: tuple[tuple[int, ...], ...] | None = None
+    t_update: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -96,7 +99,10 @@ class TimingProfile:
                 for i, (shape, count) in enumerate(zip(self.shapes, self.numel, strict=False))
                 if math.prod(shape) != count
             ]
-        times = {"t_fw": self.t_fw, "t_full": self.t_full, "t_tail": self.t_tail, "t_step": self.t_step}
+        times = {
+            "t_fw": self.t_fw, "t_full": self.t_full, "t_tail": self.t_tail, "t_step": self.t_step,
+            "t_update": self.t_update,
+        }  # fmt: skip
         times.update({f"t_dw[{i}]": v for i, v in enumerate(self.t_dw)})
         times.update({f"t_dy[{i}]": v for i, v in enumerate(self.t_dy)})
         problems += [
@@ -106,6 +112,8 @@ class TimingProfile:
         ]
         if not problems and self.t_fw > self.t_full:  # timings of a busy machine (`calibration.full_step_times`)
             problems.append(f"`t_fw` must be at most `t_full` (the forward is part of the step), got {self.t_fw!r}")
+        if not problems and self.t_update > self.t_step:
+            problems.append(f"`t_update` must be at most `t_step` (the update is part of it), got {self.t_update!r}")
         if self.method not in get_args(TimingMethod):
             problems.append(f"`method` must be one of {get_args(TimingMethod)}, got {self.method!r}")
         if problems:
@@ -138,7 +146,8 @@ class TimingProfile:
         """The profile with every time of the pass (`t_dw`, `t_dy`, `t_fw`, `t_full`, `t_tail`) times `factor`: the
         passes of an optimizer step over `factor` micro-batches, or the pass made to predict a measured step; with
         `forward`, the forward pass `t_fw` times that instead (and `t_full` as the sum of both parts).
-        `t_step` (a training step a fit measured) and `profile_seconds` are no times of the pass and stay.
+        `t_step` and `t_update` (a training step a fit measured) and `profile_seconds` are no times of the pass and
+        stay.
 
         Example:
             >>> p = TimingProfile(("a",), (1.0,), (0.5,), 2.0, 3.0, "cpu", "f", (), "measured", (4,), t_step=3.5)
@@ -183,6 +192,7 @@ class TimingProfile:
             "shapes": None if self.shapes is None else [list(shape) for shape in self.shapes],
             "profile_seconds": self.profile_seconds,
             "t_step": self.t_step,
+            "t_update": self.t_update,
         }
 
     @classmethod
@@ -220,9 +230,10 @@ class TimingProfile:
             if not _is_kind(data.get(key), float):
                 raise ValueError(f'`data["{key}"]` must be a number. Found: {data.get(key)!r}')
             kwargs[key] = float(data[key])
-        if not _is_kind(data.get("t_step", 0.0), float):  # files written before fits remembered their step lack it
-            raise ValueError(f'`data["t_step"]` must be a number. Found: {data.get("t_step")!r}')
-        kwargs["t_step"] = float(data.get("t_step", 0.0))
+        for key in ("t_step", "t_update"):  # files written before fits remembered their step (its update) lack it
+            if not _is_kind(data.get(key, 0.0), float):
+                raise ValueError(f'`data["{key}"]` must be a number. Found: {data.get(key)!r}')
+            kwargs[key] = float(data.get(key, 0.0))
         shapes = data.get("shapes")
         if shapes is not None:
             if not isinstance(shapes, list) or not all(

@@ -152,12 +152,13 @@ def test_a_gradient_accumulation_schedule_plans_its_first_epoch_with_its_own_cou
     """The scheduler sets the Trainer's count only as each epoch starts, after `on_train_start`, where a fit given a
     profile begins: the step's profile is still the pass times the scheduler's count for epoch 0 (4), and `t_step`,
     a step of one micro-batch, is no reference for it. Before: planned as one micro-batch a step."""
-    given = replace(PROFILE, t_step=0.01)
+    given = replace(PROFILE, t_step=0.01, t_update=0.002)
     callback = elastic(profile=given, probe_steps=1)  # epoch 0 has 2 optimizer steps of 4 micro-batches
     scheduler = GradientAccumulationScheduler(scheduling={0: 4, 1: 1})
     tiny_trainer(callbacks=[callback, scheduler], max_epochs=1).fit(TinyNet(), tiny_data())
     assert callback._fit is not None
     assert callback._fit.profile.t_full == pytest.approx(4 * PROFILE.t_full) and callback._fit.profile.t_step == 0.0
+    assert callback._fit.profile.t_update == 0.0
     assert step_profile(tiny_trainer(), given) is given  # one micro-batch a step: the pass itself, `t_step` kept
 
 

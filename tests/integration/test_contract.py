@@ -53,8 +53,10 @@ class VirtualDevice(Callback):
         slow: tuple[int, float] = (0, 1.0),
         switch_seconds: float = 0.0,
         forward_first: bool = False,
+        update: float = 0.0,
     ) -> None:
         self.now = 0.0
+        self.update = update  # seconds of every step's optimizer update, paid after it (as the callback times it)
         self.forward_first = forward_first  # the forward pass is paid before the backward (else all at the update)
         self.switch_seconds = switch_seconds  # paid by the first step of every new selection (not every tensor)
         self.switches = 0
@@ -89,6 +91,11 @@ class VirtualDevice(Callback):
                 self.switches += 1
                 self.now += self.switch_seconds
         self._last = trainable
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        factor = self.factor(trainer.global_step - 1)  # the step that just ended
+        self.now += factor * self.update
+        self.full_seconds += factor * self.update
 
 
 def virtual_fit(
@@ -435,12 +442,13 @@ def test_a_cold_process_that_knows_its_warm_step_plans_fewer_warm_up_steps(remem
 
 @pytest.mark.parametrize("timed", [True, False])
 def test_a_fit_that_timed_its_profile_remembers_its_steady_full_step_in_the_cache(timed: bool, tmp_path: Path) -> None:
-    """The first window's `T` goes into the cache's entry of the profile as `t_step` (its timings as they were), for
-    a later process's first window to warm up to; a cold process (one that did not time the profile) leaves the entry
-    as it is: its `T` may be of steps still warming up, and would raise the next one's reference."""
+    """The first window's `T` goes into the cache's entry of the profile as `t_step` (its timings as they were), with
+    its optimizer update as `t_update`, for a later process's first window to warm up to and its check before
+    training; a cold process (one that did not time the profile) leaves the entry as it is: its `T` may be of steps
+    still warming up, and would raise the next one's reference."""
     path = cache_file(tmp_path, PROFILE.fingerprint)
     store(path, PROFILE)
-    device = VirtualDevice(1.3)
+    device = VirtualDevice(1.3, update=0.25 * PROFILE.t_full)
     callback = ElasticTensorSelection(
         speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock, cache_dir=tmp_path
     )
@@ -448,9 +456,29 @@ def test_a_fit_that_timed_its_profile_remembers_its_steady_full_step_in_the_cach
     if timed:  # as if this fit had profiled in this process
         callback._begin = lambda *args: original(*args[:-1], True)  # type: ignore[method-assign]
     tiny_trainer(callbacks=[device, callback], max_steps=40, max_epochs=-1).fit(TinyNet(), tiny_data())
-    assert callback.history[0].full_seconds == pytest.approx(1.3 * PROFILE.t_full)
+    assert callback.history[0].full_seconds == pytest.approx(1.3 * 1.25 * PROFILE.t_full)
     kept = read_profile(path)
-    assert kept == (dataclasses.replace(PROFILE, t_step=callback.history[0].full_seconds) if timed else PROFILE)
+    assert kept.t_update == pytest.approx(1.3 * 0.25 * PROFILE.t_full if timed else 0.0)
+    remembered = dataclasses.replace(PROFILE, t_step=callback.history[0].full_seconds, t_update=kept.t_update)
+    assert kept == (remembered if timed else PROFILE)
+
+
+def test_the_update_remembered_is_that_of_the_steps_that_time_the_step_remembered(tmp_path: Path) -> None:
+    """A warm first window with a slow sample runs on (`warmup.WARM_SPREAD`), and its slow step, update too, is no
+    sample: neither of `T` nor of the update remembered with it (the update of every steady step would pair a slow
+    update with a step that left it out)."""
+    path = cache_file(tmp_path, PROFILE.fingerprint)
+    store(path, PROFILE)
+    device = VirtualDevice(1.0, slow=(2, 1.5), update=0.25 * PROFILE.t_full)  # steps 0-1 slow: a warm-up, a sample
+    callback = ElasticTensorSelection(
+        speedup=1.5, interval=30, interval_unit="step", profile=PROFILE, clock=device.clock, cache_dir=tmp_path
+    )
+    original = callback._begin
+    callback._begin = lambda *args: original(*args[:-1], True)  # type: ignore[method-assign]  # as if it profiled
+    tiny_trainer(callbacks=[device, callback], max_steps=40, max_epochs=-1).fit(TinyNet(), tiny_data())
+    assert callback._fit is not None and callback._fit.warmup.ran_on == 1
+    kept = read_profile(path)
+    assert kept.t_step == pytest.approx(1.25 * PROFILE.t_full) and kept.t_update == pytest.approx(0.25 * PROFILE.t_full)
 
 
 def test_a_first_window_of_warm_up_steps_leaves_the_steady_step_to_the_first_window_that_measures_it(
@@ -712,11 +740,12 @@ def test_a_first_run_refused_names_what_the_cached_fit_reaches_and_that_fit_keep
 
 @pytest.mark.parametrize("remembered", [1.5, 0.5], ids=["a longer step", "a pass timed slow"])
 def test_a_remembered_steady_step_calibrates_the_floor_of_the_check_before_training(remembered: float) -> None:
-    """A cached profile knows the steady full step a fit measured with it (`t_step`): the check before training
-    calibrates the profile to it, as the fit's selections will (`StepTimeModel.calibrated`). A longer step's excess
-    over the pass (update and loop) is paid by every step, the cheapest too; a step shorter than the pass (the pass
-    timed while warming up) scales the backward down and keeps the forward. Either way the floor is that model's,
-    higher than the raw pass's here, and the fit reaches less; without `t_step`, the raw pass."""
+    """A cached profile knows the steady full step a fit measured with it (`t_step`) and its update (`t_update`):
+    the check before training calibrates the profile to them, as the fit's selections will
+    (`StepTimeModel.calibrated`). A longer step's excess over the pass is paid by every step, the cheapest too, but
+    for the update, which is shared out by elements (the cheapest selection updates few); a step shorter than the
+    pass (the pass timed while warming up) scales the backward down and keeps the forward. Either way the floor is
+    that model's, higher than the raw pass's here, and the fit reaches less; without `t_step`, the raw pass."""
 
     def refused_at(profile: Any) -> tuple[float, str]:
         device = VirtualDevice(1.0)
@@ -739,6 +768,11 @@ def test_a_remembered_steady_step_calibrates_the_floor_of_the_check_before_train
     reached, share = refused_at(cached)
     assert share == floor(StepTimeModel.calibrated(PROFILE, cached.t_step, 0.0)) and int(share) > int(alone_share)
     assert reached < alone
+    if remembered > 1:  # the same step, a third of it the update: that third shared out, not paid by every step
+        updated = dataclasses.replace(cached, t_update=cached.t_step / 3)
+        reached_updated, share_updated = refused_at(updated)
+        assert share_updated == floor(StepTimeModel.calibrated(PROFILE, updated.t_step, updated.t_update))
+        assert int(share_updated) < int(share) and reached_updated > reached
 
 
 @pytest.mark.parametrize("profiled", ["given", "in the first step"])

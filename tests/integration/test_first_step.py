@@ -369,7 +369,9 @@ def test_train_never_is_frozen_before_the_first_step_which_profiles_without_it(
     assert again.calls == 8 and signatures == []  # the cache was hit with the first step's fingerprint
     # the same profile, with the steady step the first fit's window timed after its one warm-up step remembered in it
     assert cached.timing_profile is not None and cached.timing_profile.t_step > 0 == profile.t_step
-    assert cached.timing_profile == replace(profile, t_step=cached.timing_profile.t_step)
+    remembered = cached.timing_profile.t_step, cached.timing_profile.t_update  # and that step's optimizer update
+    assert 0 < remembered[1] < remembered[0]
+    assert cached.timing_profile == replace(profile, t_step=remembered[0], t_update=remembered[1])
     assert flags(again) == as_the_user_had_them(again)
 
 

@@ -146,18 +146,26 @@ def test_a_fits_steady_step_goes_into_the_cache_entry_of_its_profile_and_nowhere
     cached = profile(net, loss_fn, cache_dir=tmp_path, repeats=1)
     path = cache_file(tmp_path, cached.fingerprint)
     given = dataclasses.replace(cached, t_full=2 * cached.t_full)  # the same model's profile, timed elsewhere
-    remember_step(tmp_path, given, 0.25)
-    assert read_profile(path) == dataclasses.replace(cached, t_step=0.25)
+    remember_step(tmp_path, given, 0.25, 0.05)
+    assert read_profile(path) == dataclasses.replace(cached, t_step=0.25, t_update=0.05)
     assert profile(net, loss_fn, cache_dir=tmp_path, repeats=1).t_step == 0.25  # what the next process reads
+    remember_step(tmp_path, given, 0.25, math.inf)  # an update not measured is kept as not known
+    assert read_profile(path).t_update == 0.0
+    remember_step(tmp_path, given, 0.25, 0.25)  # no update takes the whole step it is part of: not a measurement
+    assert read_profile(path).t_update == 0.0
     other = dataclasses.replace(cached, fingerprint="f" * 64)
     remember_step(tmp_path, other, 0.5)
     remember_step(None, cached, 0.5)
     remember_step(tmp_path, cached, math.nan)
     assert not cache_file(tmp_path, other.fingerprint).exists() and read_profile(path).t_step == 0.25
-    older = {k: v for k, v in cached.to_dict().items() if k != "t_step"}
-    assert TimingProfile.from_dict(older).t_step == 0.0
+    older = {k: v for k, v in cached.to_dict().items() if k not in ("t_step", "t_update")}
+    assert TimingProfile.from_dict(older).t_step == 0.0 and TimingProfile.from_dict(older).t_update == 0.0
     with pytest.raises(ValueError, match=r'`data\["t_step"\]` must be a number'):
         TimingProfile.from_dict({**older, "t_step": "fast"})
+    with pytest.raises(ValueError, match=r'`data\["t_update"\]` must be a number'):
+        TimingProfile.from_dict({**older, "t_step": 0.5, "t_update": "fast"})
+    with pytest.raises(ValueError, match="`t_update` must be at most `t_step`"):
+        TimingProfile.from_dict({**older, "t_step": 0.5, "t_update": 0.6})
 
 
 def test_a_cache_entry_that_cannot_keep_the_steady_step_is_left_as_it_is_with_a_warning(
