@@ -104,9 +104,8 @@ def cache_file(cache_dir: Path, fingerprint: str) -> Path:
 def remember_step(cache_dir: Path | None, prof: TimingProfile, seconds: float, update: float = 0.0) -> None:
     """Keep `seconds`, a steady full training step measured with `prof`, as `t_step` in the cache's entry of the
     same fingerprint, and `update`, its optimizer update, as `t_update` (0, not known, unless less than the step):
-    only an entry there
-    already (a profile given by the user or a checkpoint enters no cache), its timings as they were. An entry that
-    cannot be read or written is left as it is, with a warning: the fit goes on.
+    only an entry there already (a profile given by the user or a checkpoint enters no cache), its timings as they
+    were. An entry that cannot be read or written is left as it is, with a warning: the fit goes on.
     """
     if cache_dir is None or not 0 < seconds < math.inf:
         return

@@ -169,8 +169,8 @@ class ProfileChoice(NamedTuple):
 
     def opening(self, module: nn.Module, speedup: float, cache_on: bool) -> str:
         """The line said as profiling starts to time (`PhaseLines`: not said when the cache has the profile): what it
-        costs, why "auto" took the analytic model, and with `cache_on` (a cache directory is on) that later fits read
-        it."""
+        costs, why "auto" took the analytic model, and with `cache_on` (a cache directory is on) that the cache keeps
+        it for later fits."""
         count = sum(p.requires_grad for p in module.parameters())
         when = "after the first training step's backward pass" if self.first_step else "on the first batch"
         timed = "scaled to this step's backward pass" if self.first_backward else "one timed step"
