@@ -9,9 +9,9 @@ The callback is the method's table of contents; each step lives in its own modul
                                                 a speedup out of this fit's reach refused before its first update;
 3. probe    (`importance.ImportanceEvaluator`) importance from real updates: of every tensor in probe windows,
                                                 of the trained ones at every other step;
-4. select   (`selector.decide`)               the exact DP under the plan's step target and `time_model`
-                                                (`terms.step_terms`) over whole layers (`units`), re-planned when
-                                                steps run off it;
+4. select   (`terms.select_now`)              the exact DP (`selector.decide`) under the plan's step target and
+                                                `time_model` (`terms.step_terms`) over whole layers (`units`),
+                                                re-planned when steps run off it;
 5. apply    (`freezing`)                      `requires_grad` on or off, so autograd does less work;
 6. inspect  (`reporting`, `inspection`)       what it cost to every logger; what was trained when to TensorBoard.
 
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_elastic import messages, reporting, resume
+from lightning_elastic import reporting, resume
 from lightning_elastic.arguments import PositiveInt, Settings, Speedup
 from lightning_elastic.begin import begin_fit
 from lightning_elastic.freezing import BnPolicy, UserState, freeze_never
@@ -47,11 +47,10 @@ from lightning_elastic.profiling.harness import ProfileChoice, measure_profile
 from lightning_elastic.profiling.reuse import reusable_profile
 from lightning_elastic.records import SelectionRecord
 from lightning_elastic.schedule import IntervalUnit, Schedule
-from lightning_elastic.selector import decide
 from lightning_elastic.session import FitSession
 from lightning_elastic.startup import check_parameters, check_supported, fit_schedule
 from lightning_elastic.summary import FitSummary, fit_summary
-from lightning_elastic.terms import step_terms
+from lightning_elastic.terms import select_now
 from lightning_elastic.units import UnitKind
 
 STATE_VERSION = 2  # 2: typed selection records and the wall-clock plan; version 1 checkpoints are still read
@@ -348,16 +347,7 @@ class ElasticTensorSelection(Callback):
         fit.pending_selection = False
         self._close_interval(trainer, fit)
         closed = self._settings.clock()
-        importance = fit.importance(trainer)
-        terms = step_terms(fit, trainer, self._settings.calibrate)
-        pins = (fit.required, fit.forbidden)
-        target, resolution = terms.target, self._settings.resolution
-        decision = decide(
-            terms.model, importance, target, required=pins[0], forbidden=pins[1], resolution=resolution, units=fit.units
-        )
-        if fit.say_starved(decision):
-            step, plan = fit.step_of(trainer), fit.plan
-            rank_zero_warn(messages.starved_warning(step, decision, terms, plan, fit.schedule, *pins))
+        decision, terms = select_now(fit, trainer)  # the exact DP under the plan's step target, alike on every rank
         select_seconds = self._settings.clock() - closed
         fit.apply(pl_module, decision.mask)
         apply_seconds = self._settings.clock() - closed - select_seconds

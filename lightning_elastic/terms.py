@@ -1,7 +1,8 @@
-"""What a selection decides under, alike on every rank: the plan's step terms, and whether to re-plan.
+"""What a selection decides under, alike on every rank: the plan's step terms, the decision, and whether to re-plan.
 
-`step_terms` gives the selector its time model and step target: the profile calibrated to the full step, update and
-loop the fit measured, and the plan's target up to its horizon (`planner.WallClockPlan.target`). `off_plan` says when
+`select_now` decides (`selector.decide`) on every tensor's importance under `step_terms`: the time model, the profile
+calibrated to the full step, update and loop the fit measured, and the step target, the plan's up to its horizon
+(`planner.WallClockPlan.target`). `off_plan` says when
 the selection in force ran its first steps off that plan (`planner.replan_due`). Every figure that a rank measured
 for itself is averaged over the ranks first (`mean_over_ranks`), so that every rank decides alike and trains the
 same tensors.
@@ -16,9 +17,12 @@ from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_elastic.messages import starved_warning
 from lightning_elastic.planner import REPLAN_AFTER, REPLANS, replan_due
-from lightning_elastic.records import StepTerms
+from lightning_elastic.records import Decision, StepTerms
+from lightning_elastic.selector import decide
 from lightning_elastic.time_model import StepTimeModel
 
 if TYPE_CHECKING:
@@ -29,6 +33,23 @@ def mean_over_ranks(trainer: L.Trainer, values: Sequence[float], device: torch.d
     """`values`, each averaged over the ranks (as they are on a single process)."""
     local = torch.tensor(list(values), dtype=torch.float64, device=device)
     return [float(v) for v in trainer.strategy.reduce(local, reduce_op="mean").tolist()]
+
+
+def select_now(fit: FitSession, trainer: L.Trainer) -> tuple[Decision, StepTerms]:
+    """The selection due now: `selector.decide` on every tensor's importance as it stands (`FitSession.importance`)
+    under the plan's `step_terms`, with the fit's pins and units; the warning when even the cheapest selection is
+    over the step target (`messages.starved_warning`, when `FitSession.say_starved`)."""
+    importance = fit.importance(trainer)
+    terms = step_terms(fit, trainer, fit.settings.calibrate)
+    required, forbidden = pins = (fit.required, fit.forbidden)
+    resolution, units = fit.settings.resolution, fit.units
+    decision = decide(
+        terms.model, importance, terms.target, required=required, forbidden=forbidden, resolution=resolution,
+        units=units,
+    )
+    if fit.say_starved(decision):
+        rank_zero_warn(starved_warning(fit.step_of(trainer), decision, terms, fit.plan, fit.schedule, *pins))
+    return decision, terms
 
 
 def step_terms(fit: FitSession, trainer: L.Trainer, calibrate: bool) -> StepTerms:
