@@ -2,7 +2,7 @@
 plan runs short, a tensor was not profiled, or a step's importance was not finite.
 
 Pure formatting of typed records (`records.Decision`, `records.StepTerms`), the plan (`planner.WallClockPlan`) and the
-schedule; `reporting` and the callback send them (`rank_zero_info`, `rank_zero_warn`).
+schedule; `reporting`, `session` and `terms` send them (`rank_zero_info`, `rank_zero_warn`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """What a selection decides under, alike on every rank: the plan's step terms, the decision, and whether to re-plan.
 
-`select_now` decides (`selector.decide`) on every tensor's importance under `step_terms`: the time model, the profile
-calibrated to the full step, update and loop the fit measured, and the step target, the plan's up to its horizon
-(`planner.WallClockPlan.target`). `off_plan` says when
-the selection in force ran its first steps off that plan (`planner.replan_due`). Every figure that a rank measured
-for itself is averaged over the ranks first (`mean_over_ranks`), so that every rank decides alike and trains the
-same tensors.
+`select_now` decides (`selector.decide`) on every tensor's importance under `step_terms`: the time model (the profile
+calibrated to the full step, update and loop the fit measured) and the step target (the plan's up to its horizon,
+`planner.WallClockPlan.target`). `off_plan` says when the selection in force ran its first steps off that plan
+(`planner.replan_due`). Every figure that a rank measured for itself is averaged over the ranks first
+(`mean_over_ranks`), so that every rank decides alike and trains the same tensors.
 """
 
 from __future__ import annotations
